@@ -1,0 +1,41 @@
+# The two commands a new user runs: `make train` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.install-stamp
+CONFIG ?= configs/quickstart.yaml
+
+.PHONY: help install train test test-slow test-all lint tensorboard clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install flowers with its dev tools
+
+train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minutes)
+	$(BIN)/python -m flowers fit --config $(CONFIG)
+
+test: $(STAMP)  ## run the default test suite (under 10 minutes on 2 cores)
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs)
+	$(BIN)/python -m pytest -m slow
+
+test-all: $(STAMP)  ## run every test
+	$(BIN)/python -m pytest -m ''
+
+lint: $(STAMP)  ## ruff
+	$(BIN)/ruff check flowers tests
+
+tensorboard: $(STAMP)  ## serve the logs under runs/ on http://127.0.0.1:6006
+	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port 6006
+
+clean:  ## remove runs, generated data and caches (keeps .venv)
+	rm -rf runs lightning_logs data .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

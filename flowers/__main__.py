@@ -1,0 +1,5 @@
+import sys
+
+from flowers.cli import main
+
+sys.exit(main())

@@ -1,0 +1,95 @@
+"""End to end through the CLI, in-process: fit → validate → test → predict on a tiny set."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowers.cli import cli_main
+from flowers.module import FlowerClassifier
+from tests.conftest import TINY_RUN, make_tree
+
+
+@pytest.fixture
+def fitted(in_tmp, tiny_synthetic):
+    cli = cli_main(["fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", "--trainer.max_epochs=2"])
+    return cli, tiny_synthetic
+
+
+def test_fit_writes_checkpoints_class_indices_config_and_logs(fitted):
+    cli, data = fitted
+    run_dir = Path(cli.trainer.log_dir)
+    assert run_dir.parts[:2] == ("runs", "flowers")
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "last.ckpt").is_file()
+    assert len(list(checkpoints.glob("best-epoch=*-val_acc=*.ckpt"))) == 1
+    assert json.loads((checkpoints / "class_indices.json").read_text()) == {
+        "0": "daisy", "1": "dandelion", "2": "rose", "3": "sunflower", "4": "tulip"
+    }
+    assert (run_dir / "config.yaml").is_file()
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    logged = cli.trainer.logged_metrics
+    for key in ("train/loss_epoch", "val/loss", "val/acc", "val/acc_macro", "train/acc"):
+        assert key in logged, key
+
+
+def test_checkpoint_loads_without_arguments_and_knows_class_names(fitted):
+    cli, _ = fitted
+    best = cli.trainer.checkpoint_callback.best_model_path
+    model = FlowerClassifier.load_from_checkpoint(best, map_location="cpu")
+    assert model.class_names == ["daisy", "dandelion", "rose", "sunflower", "tulip"]
+    assert model.hparams.optimizer is None or "class_path" in model.hparams.optimizer
+    # Checkpoints hold no pickled objects: they load with weights_only=True.
+    torch.load(best, map_location="cpu", weights_only=True)
+
+
+def test_validate_then_predict_from_the_checkpoint(fitted):
+    cli, data = fitted
+    best = cli.trainer.checkpoint_callback.best_model_path
+    validated = cli_main(["validate", *TINY_RUN, f"--data.data_dir={data}", f"--ckpt_path={best}"])
+    assert 0.0 <= float(validated.trainer.callback_metrics["val/acc"]) <= 1.0
+
+    # predict needs no training data: the class names come from the checkpoint.
+    predict_dir = make_tree(Path("to_predict"), {"some": 3, "more": 2})
+    predicted = cli_main(["predict", *TINY_RUN, f"--ckpt_path={best}", f"--data.predict_dir={predict_dir}"])
+    out = Path(predicted.trainer.log_dir) / "predictions.csv"
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 5
+    names = ["daisy", "dandelion", "rose", "sunflower", "tulip"]
+    assert list(rows[0]) == ["path", "prediction", *names]
+    for row in rows:
+        probs = [float(row[n]) for n in names]
+        assert abs(sum(probs) - 1) < 1e-4
+        assert row["prediction"] == names[max(range(5), key=probs.__getitem__)]
+
+
+def test_the_seed_layout_with_train_val_and_test_folders(in_tmp):
+    for split, count in (("train", 6), ("val", 3), ("test", 3)):
+        make_tree(in_tmp / "seedlayout" / split, {"cat": count, "dog": count})
+    cli = cli_main(["fit", *TINY_RUN, "--data.data_dir=seedlayout"])
+    assert cli.model.class_names == ["cat", "dog"]
+    assert cli.model.net.classifier[-1].out_features == 2
+    assert len(cli.datamodule.train_set) == 12 and len(cli.datamodule.val_set) == 6
+    tested = cli_main(["test", *TINY_RUN, "--data.data_dir=seedlayout",
+                       f"--ckpt_path={cli.trainer.checkpoint_callback.last_model_path}"])
+    assert "test/acc" in tested.trainer.callback_metrics
+
+
+def test_optimizer_and_scheduler_come_from_yaml(in_tmp, tiny_synthetic):
+    Path("exp.yaml").write_text(
+        "model:\n"
+        "  label_smoothing: 0.1\n"
+        "  optimizer:\n    class_path: torch.optim.SGD\n    init_args: {lr: 0.01, momentum: 0.9}\n"
+        "  scheduler:\n    class_path: torch.optim.lr_scheduler.StepLR\n    init_args: {step_size: 1, gamma: 0.5}\n"
+    )
+    cli = cli_main(["fit", *TINY_RUN, "--config=exp.yaml", f"--data.data_dir={tiny_synthetic}",
+                    "--trainer.max_epochs=2", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1"])
+    optimizer = cli.trainer.optimizers[0]
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["momentum"] == 0.9
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0025)  # two StepLR halvings
+    assert cli.model.loss.label_smoothing == 0.1
+    # The optimizer is recorded in the checkpoint as data, not as a pickled callable.
+    hparams = torch.load(cli.trainer.checkpoint_callback.last_model_path, weights_only=True)["hyper_parameters"]
+    assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from flowers.model import AlexNet
+from tests.seed_alexnet import AlexNet as SeedAlexNet
+
+
+def test_output_shape_and_parameter_count():
+    net = AlexNet(num_classes=5).eval()
+    assert net(torch.randn(2, 3, 224, 224)).shape == (2, 5)
+    n_params = sum(p.numel() for p in net.parameters())
+    assert 14.5e6 < n_params < 14.7e6  # the seed's "about 14.6 M"
+
+
+def test_feature_map_shapes_follow_the_seed_table():
+    shapes = []
+    x = torch.randn(1, 3, 224, 224)
+    for layer in AlexNet().features:
+        x = layer(x)
+        if isinstance(layer, torch.nn.MaxPool2d):
+            shapes.append(tuple(x.shape[1:]))
+    assert shapes == [(48, 27, 27), (128, 13, 13), (128, 6, 6)]
+
+
+def test_state_dict_round_trips_with_the_seed_class_strictly():
+    ours, seed = AlexNet(num_classes=5), SeedAlexNet(num_classes=5)
+    assert list(ours.state_dict()) == list(seed.state_dict())
+    seed.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(3, 3, 224, 224)
+    torch.testing.assert_close(seed.eval()(x), ours.eval()(x))
+    ours.load_state_dict(SeedAlexNet(num_classes=5).state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("size", [64, 96, 160, 256])
+def test_other_image_sizes_reach_the_classifier(size):
+    assert AlexNet(num_classes=3).eval()(torch.randn(1, 3, size, size)).shape == (1, 3)
+
+
+def test_seed_init_zeroes_biases_and_keeps_linear_std_small():
+    net = AlexNet()
+    assert all(float(m.bias.detach().abs().max()) == 0 for m in net.modules() if hasattr(m, "bias") and m.bias is not None)
+    assert abs(float(net.classifier[1].weight.std()) - 0.01) < 1e-3
