@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 CONFIG ?= configs/quickstart.yaml
 
-.PHONY: help install train test test-slow test-all lint tensorboard clean
+.PHONY: help install train data test test-slow test-all lint tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -20,6 +20,10 @@ install: $(STAMP)  ## create .venv and install flowers with its dev tools
 
 train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minutes)
 	$(BIN)/python -m flowers fit --config $(CONFIG)
+
+data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_photos, once
+	@# flowers.data imports the module before runpy runs it; the warning that causes is harmless.
+	$(BIN)/python -W ignore::RuntimeWarning:runpy -m flowers.data.download
 
 test: $(STAMP)  ## run the default test suite (under 10 minutes on 2 cores)
 	$(BIN)/python -m pytest

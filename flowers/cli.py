@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from flowers.callbacks import ClassIndicesWriter, PredictionWriter
+from flowers.callbacks import ClassIndicesWriter, PredictionWriter, TensorBoardPictures
 from flowers.data import FlowerDataModule
 from flowers.errors import ConfigError, FlowersError
 from flowers.module import FlowerClassifier
@@ -48,6 +48,8 @@ class FlowersCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if "weights_only" in config and config.get("weights_only") is None:
+            config.weights_only = True  # say it, not rely on torch's default: our checkpoints hold no pickled code
         ckpt_path = config.get("ckpt_path")
         if not ckpt_path:
             return
@@ -84,9 +86,11 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
         trainer_defaults={
             "logger": {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"save_dir": LOG_DIR, "name": "flowers"},
+                # No placeholder hp_metric: TensorBoardPictures logs the hparams with the real val metrics at
+                # fit end, and TensorBoard keeps only the first hparams record of a run.
+                "init_args": {"save_dir": LOG_DIR, "name": "flowers", "default_hp_metric": False},
             },
-            "callbacks": [LearningRateMonitor(logging_interval="epoch"), ClassIndicesWriter()],
+            "callbacks": [LearningRateMonitor(logging_interval="epoch"), ClassIndicesWriter(), TensorBoardPictures()],
         },
     )
 

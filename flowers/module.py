@@ -5,8 +5,9 @@ from __future__ import annotations
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
-from torchmetrics import MetricCollection
+from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from flowers.model import AlexNet
@@ -55,34 +56,64 @@ class FlowerClassifier(L.LightningModule):
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
+        # Evaluation shards are uneven under ddp (each image once), and Lightning's sync_dist mean then
+        # divides by an integer-averaged batch count under gloo: a torchmetrics mean syncs (sum, weight).
+        self.eval_losses = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(images)
 
-    def _shared_step(self, batch, stage: str) -> torch.Tensor:
+    def _shared_step(self, batch, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = batch
         logits = self(images)
         loss = self.loss(logits, labels)
         metrics = getattr(self, f"{stage}_metrics")
         metrics.update(logits, labels)
-        on_step = stage == "train"
-        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, sync_dist=not on_step,
-                 batch_size=labels.shape[0])
+        if stage == "train":
+            # sync_dist: the epoch loss is the mean over all ranks (one scalar all-reduce per step, next
+            # to the gradients' 14.6 M); training shards are padded to equal sizes, so it is exact.
+            self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True,
+                     batch_size=labels.shape[0])
+        else:
+            self.eval_losses[stage].update(loss.detach(), weight=labels.shape[0])
+            self.log(f"{stage}/loss", self.eval_losses[stage], on_step=False, on_epoch=True, prog_bar=True)
         self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=stage == "val")
-        return loss
+        return loss, logits
+
+    def setup(self, stage: str) -> None:
+        # Each rank would pick the next free runs/flowers/version_N on its own, racing rank 0's mkdir:
+        # all of them take rank 0's number (the process group is up by now).
+        logger = self.logger
+        if isinstance(logger, TensorBoardLogger) and self.trainer.world_size > 1:
+            logger._version = self.trainer.strategy.broadcast(logger.version)
+
+    def on_fit_start(self) -> None:
+        # Record how the run is spread: under dp one process splits each batch across its GPUs; under
+        # ddp every process loads its own batch, so a step sees batch_size x world_size images.
+        trainer = self.trainer
+        scale = {"world_size": trainer.world_size, "num_nodes": trainer.num_nodes,
+                 "devices_per_node": trainer.num_devices, "strategy": type(trainer.strategy).__name__}
+        batch_size = getattr(trainer.datamodule, "batch_size", None)
+        if batch_size is not None:
+            scale["global_batch_size"] = batch_size * trainer.world_size
+        for logger in trainer.loggers:
+            logger.log_hyperparams(scale)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self._shared_step(batch, "train")
+        return self._shared_step(batch, "train")[0]
 
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._shared_step(batch, "val")
+    def validation_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        # The logits reach callbacks (ValidationImages) through on_validation_batch_end, with no second forward.
+        loss, logits = self._shared_step(batch, "val")
+        return {"loss": loss, "logits": logits.detach()}
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._shared_step(batch, "test")
 
-    def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
-        images, indices = batch
-        return {"index": indices, "probs": self(images).float().softmax(dim=1)}
+    def predict_step(self, batch, batch_idx: int) -> dict:
+        # "error" is "" for a decoded image, else why it could not be read (its probs are then meaningless).
+        images, indices, errors = batch
+        return {"index": indices, "probs": self(images).float().softmax(dim=1), "error": list(errors)}
 
     def configure_optimizers(self):
         params = self.parameters()

@@ -38,5 +38,6 @@ def test_other_image_sizes_reach_the_classifier(size):
 
 def test_seed_init_zeroes_biases_and_keeps_linear_std_small():
     net = AlexNet()
-    assert all(float(m.bias.detach().abs().max()) == 0 for m in net.modules() if hasattr(m, "bias") and m.bias is not None)
+    biases = [m.bias.detach() for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    assert len(biases) == 8 and all(float(b.abs().max()) == 0 for b in biases)
     assert abs(float(net.classifier[1].weight.std()) - 0.01) < 1e-3

@@ -1,0 +1,3 @@
+from flowers.data.datamodule import FlowerDataModule
+
+__all__ = ["FlowerDataModule"]

@@ -1,0 +1,249 @@
+"""``FlowerDataModule``: class folders in, train/val/test/predict loaders out."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader
+
+from flowers.data import synthetic
+from flowers.data.datasets import LabelledImages, UnlabelledImages
+from flowers.data.download import DEFAULT_DIR, FLOWER_PHOTOS_SHA256, FLOWER_PHOTOS_URL, fetch_flower_photos
+from flowers.data.folders import (
+    Sample,
+    drop_unreadable,
+    find_classes,
+    is_image_file,
+    is_split_layout,
+    list_images,
+    stratified_split,
+)
+from flowers.data.transforms import eval_transform, train_transform
+from flowers.errors import ConfigError, DataError
+from flowers.model import MIN_IMAGE_SIZE
+
+
+class FlowerDataModule(L.LightningDataModule):
+    """Flower photos from an ImageFolder tree, or the embedded synthetic set when ``data_dir`` is unset.
+
+    Args:
+        data_dir: ``root/<class>/…`` (split by ``val_split``) or ``root/train/<class>/…`` plus
+            ``root/val/<class>/…`` (the seed's layout); an optional ``root/test/<class>/…`` is the
+            test set. Unset: the synthetic set, drawn into ``synthetic_dir`` on first use.
+        class_names: the classes a checkpoint was trained on; the folders must have exactly these.
+            The CLI fills it from ``--ckpt_path``, so ``predict`` needs no training data.
+        val_split: fraction of each class held out for validation in the single-folder layout.
+        split_seed: seed of that split; the split never depends on the global seed or the rank.
+        image_size: side of the square the network sees (the seed's 224).
+        crop_scale: area range of the training RandomResizedCrop (the seed's, torchvision's default).
+        batch_size: per process: under ddp the global batch is ``batch_size × world size``.
+        eval_batch_size: batch for val/test/predict; defaults to ``batch_size``.
+        num_workers: loader processes per training process; default the seed's
+            ``min(cpu_count, batch_size, 8)``, divided among the processes of this machine.
+        predict_dir: a folder (searched recursively) or one image file for ``predict``.
+        predict_files: image files for ``predict``, e.g. ``--data.predict_files '[a.jpg, b.png]'``, after
+            those of ``predict_dir``; a missing or unreadable one gets an ``error`` in its row.
+        verify_images: decode every image once at setup and skip unreadable ones with one warning.
+        download: fetch the TensorFlow flower_photos archive into ``data_dir`` (default
+            ``data/flower_photos``) unless that folder already holds data; one process per machine downloads.
+        download_url: where the archive comes from.
+        download_sha256: its expected SHA-256, checked before extraction; null skips the check.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        *,
+        class_names: list[str] | None = None,
+        val_split: float = 0.1,
+        split_seed: int = 42,
+        image_size: int = 224,
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_workers: int | None = None,
+        predict_dir: str | None = None,
+        predict_files: list[str] | None = None,
+        verify_images: bool = True,
+        synthetic_dir: str = "data/synthetic",
+        synthetic_per_class: int = 300,
+        synthetic_size: int = 96,
+        download: bool = False,
+        download_url: str = FLOWER_PHOTOS_URL,
+        download_sha256: str | None = FLOWER_PHOTOS_SHA256,
+    ) -> None:
+        super().__init__()
+        if not 0 < val_split < 1:
+            raise ConfigError(f"data.val_split must be between 0 and 1 (exclusive), got {val_split}.")
+        if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
+            raise ConfigError(f"data.batch_size and data.eval_batch_size must be at least 1, got {batch_size}.")
+        if image_size < MIN_IMAGE_SIZE:
+            raise ConfigError(
+                f"data.image_size={image_size} is too small for AlexNet's poolings; use at least {MIN_IMAGE_SIZE}."
+            )
+        if download:
+            # Here, not in prepare_data: the class folders are read below, when the CLI instantiates us.
+            data_dir = str(fetch_flower_photos(data_dir or DEFAULT_DIR, url=download_url, sha256=download_sha256))
+        self.data_dir = Path(data_dir).expanduser() if data_dir else None
+        self.val_split = val_split
+        self.split_seed = split_seed
+        self.image_size = image_size
+        self.crop_scale = crop_scale
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self._num_workers = num_workers
+        self.predict_dir = Path(predict_dir).expanduser() if predict_dir else None
+        self.predict_files = [str(Path(f).expanduser()) for f in predict_files or []]
+        self.verify_images = verify_images
+        self.synthetic_dir = Path(synthetic_dir)
+        self.synthetic_per_class = synthetic_per_class
+        self.synthetic_size = synthetic_size
+        self.class_names = self._check_class_names(class_names)
+        self.train_set = self.val_set = self.test_set = self.predict_set = None
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def _check_class_names(self, expected: list[str] | None) -> list[str]:
+        if self.data_dir is None:
+            return list(expected or synthetic.CLASS_NAMES)
+        root = self.data_dir
+        if is_split_layout(root):
+            found = find_classes(root / "train")
+            for split in ("val", "test"):
+                if (root / split).is_dir() and (other := find_classes(root / split)) != found:
+                    raise DataError(
+                        f"{root / split} has classes {other} but {root / 'train'} has {found}. Both must hold "
+                        "the same class folders, spelled the same."
+                    )
+        else:
+            found = find_classes(root)
+        if expected is not None and list(expected) != found:
+            raise DataError(
+                f"The checkpoint was trained on classes {list(expected)}, but {root} has {found}. Point "
+                "--data.data_dir at data with the checkpoint's classes."
+            )
+        return found
+
+    # -- setup -------------------------------------------------------------------------------
+    def _root(self) -> Path:
+        if self.data_dir is not None:
+            return self.data_dir
+        return synthetic.ensure_synthetic(
+            self.synthetic_dir, per_class=self.synthetic_per_class, size=self.synthetic_size
+        )
+
+    def _labelled(self, folder: Path) -> list[Sample]:
+        samples = list_images(folder, self.class_names)
+        return drop_unreadable(samples, where=folder) if self.verify_images else samples
+
+    def prepare_data(self) -> None:
+        # Runs on one process per machine; the others find the synthetic set already drawn.
+        if self.data_dir is None:
+            self._root()
+
+    def setup(self, stage: str) -> None:
+        if stage == "predict":
+            self.predict_set = UnlabelledImages(self._predict_paths(), self._eval_transform())
+            return
+        root = self._root()
+        if stage in ("fit", "validate") and self.val_set is None:
+            if is_split_layout(root):
+                train, val = self._labelled(root / "train"), self._labelled(root / "val")
+            else:
+                train, val = stratified_split(
+                    self._labelled(root), val_fraction=self.val_split, seed=self.split_seed
+                )
+            augment = train_transform(crop_size=self.image_size, crop_scale=self.crop_scale)
+            self.train_set = LabelledImages(train, augment)
+            self.val_set = LabelledImages(val, self._eval_transform())
+        if stage == "test":
+            if not (root / "test").is_dir():
+                raise DataError(
+                    f"No test set: {root / 'test'} does not exist. Put a test/<class>/ tree there, or run "
+                    "`validate` to score the validation split."
+                )
+            self.test_set = LabelledImages(self._labelled(root / "test"), self._eval_transform())
+
+    def _eval_transform(self):
+        return eval_transform(crop_size=self.image_size)
+
+    def _predict_paths(self) -> list[str]:
+        target = self.predict_dir
+        if target is None and not self.predict_files:
+            raise ConfigError(
+                "predict needs images: set --data.predict_dir to a folder or an image file, or --data.predict_files."
+            )
+        return (self._predict_dir_paths(target) if target is not None else []) + self.predict_files
+
+    def _predict_dir_paths(self, target: Path) -> list[str]:
+        if target.is_file():
+            return [str(target)]
+        if not target.is_dir():
+            raise DataError(f"--data.predict_dir {str(target)!r} does not exist.")
+        paths = sorted(
+            str(Path(dirpath) / name)
+            for dirpath, _, names in os.walk(target)
+            for name in names
+            if is_image_file(Path(name))
+        )
+        if not paths:
+            raise DataError(f"--data.predict_dir {str(target)!r} holds no images.")
+        return paths
+
+    # -- loaders ------------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        if self._num_workers is not None:
+            return self._num_workers
+        # The seed's rule, shared among this machine's training processes so ddp does not oversubscribe.
+        local_processes = 1
+        if self.trainer is not None:
+            local_processes = max(1, self.trainer.world_size // max(1, self.trainer.num_nodes))
+        return min((os.cpu_count() or 1) // local_processes, self.batch_size, 8)
+
+    def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None) -> DataLoader:
+        workers = self.num_workers
+        on_gpu = self.trainer is not None and self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=on_gpu,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def _eval_sampler(self, dataset):
+        # Lightning's default DistributedSampler pads the last shard with repeated images, which skews
+        # distributed val/test metrics. Rank r gets images r, r + world, …: each image exactly once.
+        # Lightning keeps a sampler that already is a DistributedSampler.
+        trainer = self.trainer
+        if trainer is None or trainer.world_size <= 1:
+            return None
+        if len(dataset) < trainer.world_size:
+            raise DataError(
+                f"{len(dataset)} evaluation images cannot be shared among {trainer.world_size} processes; "
+                "evaluate with fewer devices."
+            )
+        return UnrepeatedDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                            shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, batch_size=self.eval_batch_size, shuffle=False,
+                            sampler=self._eval_sampler(self.val_set))
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, batch_size=self.eval_batch_size, shuffle=False,
+                            sampler=self._eval_sampler(self.test_set))
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.predict_set, batch_size=self.eval_batch_size, shuffle=False)

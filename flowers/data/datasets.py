@@ -1,0 +1,47 @@
+"""Map-style datasets over file lists (PIL decode per item, as the seed's ImageFolder does)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from flowers.data.folders import Sample
+from flowers.data.transforms import load_rgb
+
+
+class LabelledImages(Dataset):
+    def __init__(self, samples: Sequence[Sample], transform: Callable) -> None:
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        sample = self.samples[index]
+        return self.transform(load_rgb(sample.path)), sample.label
+
+
+class UnlabelledImages(Dataset):
+    """Images to predict; yields the index so the writer can name each row's file.
+
+    A missing or undecodable file yields a black placeholder and its error message, so one bad file
+    becomes one row saying why instead of ending the whole predict run.
+    """
+
+    def __init__(self, paths: Sequence[str], transform: Callable) -> None:
+        self.paths = list(paths)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, str]:
+        try:
+            return self.transform(load_rgb(self.paths[index])), index, ""
+        except (OSError, ValueError, SyntaxError) as error:  # PIL raises all three for broken files
+            placeholder = self.transform(Image.new("RGB", (8, 8)))  # same shape as a real item
+            return torch.zeros_like(placeholder), index, f"{type(error).__name__}: {error}"

@@ -1,0 +1,141 @@
+"""Finding images in class folders, checking them, and splitting them into train/val.
+
+``torchvision.datasets.ImageFolder`` would do the listing, but it cannot split one folder
+into stratified train/val subsets, skip unreadable files with one clear warning, or compare the
+class sets of two trees; those are the parts written here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_only
+from PIL import Image, UnidentifiedImageError
+
+from flowers.errors import DataError
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+SPLIT_NAMES = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class Sample:
+    path: str
+    label: int
+
+
+def is_image_file(path: Path) -> bool:
+    # Hidden files (.DS_Store, ._IMG_1.jpg from macOS) are never images, whatever their extension.
+    return not path.name.startswith(".") and path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def find_classes(root: Path) -> list[str]:
+    """Class names are the sorted sub-folder names, as ImageFolder does (so indices agree with it)."""
+    if not root.is_dir():
+        raise DataError(
+            f"Data folder {str(root)!r} does not exist or is not a folder. Point --data.data_dir at a "
+            "folder of class folders (root/<class>/*.jpg) or of train/ and val/ folders of class folders."
+        )
+    classes = sorted(
+        entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".")
+    )
+    if not classes:
+        raise DataError(
+            f"Data folder {str(root)!r} has no class folders. Expected root/<class>/*.jpg, one "
+            "sub-folder per class, or root/train/<class>/ and root/val/<class>/."
+        )
+    return classes
+
+
+def is_split_layout(root: Path) -> bool:
+    """The seed's layout: root/train/<class>/ and root/val/<class>/."""
+    return (root / "train").is_dir() and (root / "val").is_dir()
+
+
+def _image_paths(folder: Path) -> list[Path]:
+    paths = []
+    # followlinks=False: a symlink loop inside the data cannot make the walk run forever.
+    for dirpath, dirnames, filenames in os.walk(folder):
+        # Hidden folders (.ipynb_checkpoints, .thumbnails) hold copies and thumbnails, not more photos.
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        paths.extend(Path(dirpath) / filename for filename in filenames if is_image_file(Path(filename)))
+    return sorted(paths)
+
+
+def list_images(root: Path, classes: Sequence[str]) -> list[Sample]:
+    samples = []
+    for label, name in enumerate(classes):
+        folder = root / name
+        paths = _image_paths(folder)
+        if not paths:
+            raise DataError(
+                f"Class folder {str(folder)!r} holds no images (looked for {', '.join(IMAGE_EXTENSIONS)}, "
+                "any case). Add images to it, or remove the folder if it is not a class."
+            )
+        samples.extend(Sample(str(path), label) for path in paths)
+    return samples
+
+
+def image_problem(path: str) -> str | None:
+    """Why ``path`` cannot be trained on, or None when it decodes.
+
+    A full decode is the only way to catch a truncated JPEG; ``draft`` makes it a reduced-size
+    decode, about 0.5 ms per photo, so checking the whole set up front stays cheap.
+    """
+    try:
+        if os.path.getsize(path) == 0:
+            return "empty file"
+        with Image.open(path) as image:
+            image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
+            image.load()
+    except UnidentifiedImageError:
+        return "not an image"
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        return str(error) or type(error).__name__
+    return None
+
+
+def drop_unreadable(samples: list[Sample], *, where: Path) -> list[Sample]:
+    """The documented policy: unreadable files are skipped with one warning that counts and names them."""
+    problems = {s.path: problem for s in samples if (problem := image_problem(s.path))}
+    if not problems:
+        return samples
+    shown = "; ".join(f"{path} ({why})" for path, why in list(problems.items())[:10])
+    more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+    if rank_zero_only.rank == 0:  # every DDP rank checks the same files; one of them says so
+        log.warning(
+            "Skipping %d unreadable file(s) of %d under %s: %s%s",
+            len(problems), len(samples), where, shown, more,
+        )
+    kept = [s for s in samples if s.path not in problems]
+    if not kept:
+        raise DataError(f"No readable images under {str(where)!r}: all {len(samples)} files failed to decode.")
+    return kept
+
+
+def stratified_split(
+    samples: Sequence[Sample], *, val_fraction: float, seed: int
+) -> tuple[list[Sample], list[Sample]]:
+    """Split each class separately so val keeps the class balance of the whole set.
+
+    The result depends only on the sorted file list, the fraction and the seed, never on global
+    RNG state, so every DDP rank and every rerun computes the same split.
+    """
+    by_label: dict[int, list[Sample]] = {}
+    for sample in sorted(samples, key=lambda s: s.path):
+        by_label.setdefault(sample.label, []).append(sample)
+    train, val = [], []
+    for label, members in sorted(by_label.items()):
+        order = np.random.default_rng([seed, label]).permutation(len(members))
+        # At least one val image per class, and at least one left to train on.
+        n_val = min(max(1, round(len(members) * val_fraction)), len(members) - 1)
+        val.extend(members[i] for i in order[:n_val])
+        train.extend(members[i] for i in order[n_val:])
+    return train, val

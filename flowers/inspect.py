@@ -1,0 +1,168 @@
+"""Look inside trained runs from Python: load a checkpoint, score it, predict files, read its TensorBoard curves.
+
+The API behind ``notebooks/explore_checkpoints.ipynb``::
+
+    model, class_names, hparams = load(ckpt)
+    result = evaluate(model, datamodule_for(ckpt, model))   # accuracy, confusion matrix, per-class P/R
+    rows = predict(model, ["a.jpg", "b.png"], top_k=3, image_size=image_size_of(ckpt))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch.utils.data import DataLoader
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassConfusionMatrix,
+    MulticlassPrecision,
+    MulticlassRecall,
+)
+
+from flowers.callbacks import prediction_rows
+from flowers.data import FlowerDataModule
+from flowers.data.datasets import UnlabelledImages
+from flowers.data.transforms import eval_transform
+from flowers.module import FlowerClassifier
+
+# The run's data settings worth reusing to rebuild its validation split (not loaders or predict inputs).
+DATA_KEYS = ("data_dir", "val_split", "split_seed", "image_size", "eval_batch_size", "batch_size",
+             "synthetic_dir", "synthetic_per_class", "synthetic_size")
+
+
+def find_checkpoints(runs_dir: str | Path = "runs") -> list[Path]:
+    """Every ``*.ckpt`` under ``runs_dir``, oldest first."""
+    return sorted(Path(runs_dir).rglob("*.ckpt"), key=lambda p: (p.stat().st_mtime, str(p)))
+
+
+def newest_best_checkpoint(runs_dir: str | Path = "runs") -> Path:
+    checkpoints = find_checkpoints(runs_dir)
+    best = [p for p in checkpoints if p.name.startswith("best")]
+    if not (best or checkpoints):
+        raise FileNotFoundError(f"no checkpoints under {runs_dir}: train one with `make train`")
+    return (best or checkpoints)[-1]
+
+
+def run_dir_of(ckpt: str | Path) -> Path:
+    """``runs/flowers/version_N`` for ``runs/flowers/version_N/checkpoints/x.ckpt``."""
+    ckpt = Path(ckpt)
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
+def run_config(ckpt: str | Path) -> dict:
+    """The run's ``config.yaml`` as a dict, or ``{}`` when the checkpoint was moved away from its run."""
+    path = run_dir_of(ckpt) / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+
+
+def image_size_of(ckpt: str | Path, default: int = 224) -> int:
+    return int(run_config(ckpt).get("data", {}).get("image_size") or default)
+
+
+def load(ckpt: str | Path, map_location: str = "cpu") -> tuple[FlowerClassifier, list[str], dict]:
+    """The model in eval mode, its class names and hyperparameters; never unpickles code (``weights_only``)."""
+    model = FlowerClassifier.load_from_checkpoint(ckpt, map_location=map_location, weights_only=True)
+    model.eval()
+    return model, list(model.class_names), dict(model.hparams)
+
+
+def datamodule_for(ckpt: str | Path, model: FlowerClassifier, **overrides) -> FlowerDataModule:
+    """The run's data (its ``config.yaml`` settings: folder, split, image size), for the model's classes."""
+    data = run_config(ckpt).get("data", {})
+    settings = {k: data[k] for k in DATA_KEYS if data.get(k) is not None}
+    settings.update(num_workers=0, **overrides)  # in-process loading: a notebook gains little from workers
+    return FlowerDataModule(class_names=model.class_names, **settings)
+
+
+@dataclass
+class Evaluation:
+    accuracy: float  # micro: fraction of images right
+    accuracy_macro: float
+    confusion: torch.Tensor  # [true, predicted] counts
+    precision: torch.Tensor  # per class
+    recall: torch.Tensor  # per class
+    probs: torch.Tensor  # [image, class]
+    labels: torch.Tensor
+    paths: list[str]
+
+    @property
+    def predicted(self) -> torch.Tensor:
+        return self.probs.argmax(dim=1)
+
+    def most_confidently_wrong(self, k: int = 8) -> list[int]:
+        """Indices of the wrong predictions with the highest predicted probability."""
+        confidence, predicted = self.probs.max(dim=1)
+        wrong = (predicted != self.labels).nonzero().flatten()
+        return wrong[confidence[wrong].argsort(descending=True)][:k].tolist()
+
+
+@torch.inference_mode()
+def evaluate(model: FlowerClassifier, datamodule: FlowerDataModule, stage: str = "validate") -> Evaluation:
+    """Scores the validation split (or ``stage="test"``) with torchmetrics."""
+    datamodule.setup(stage)
+    dataset = datamodule.val_set if stage == "validate" else datamodule.test_set
+    loader = DataLoader(dataset, batch_size=datamodule.eval_batch_size, shuffle=False)
+    n = len(model.class_names)
+    metrics = {
+        "accuracy": MulticlassAccuracy(n, average="micro"), "accuracy_macro": MulticlassAccuracy(n, average="macro"),
+        "confusion": MulticlassConfusionMatrix(n), "precision": MulticlassPrecision(n, average=None),
+        "recall": MulticlassRecall(n, average=None),
+    }
+    probs, labels = [], []
+    device = next(model.parameters()).device
+    for images, targets in loader:
+        batch_probs = model(images.to(device)).float().softmax(dim=1).cpu()
+        for metric in metrics.values():
+            metric.update(batch_probs, targets)
+        probs.append(batch_probs)
+        labels.append(targets)
+    values = {name: metric.compute() for name, metric in metrics.items()}
+    return Evaluation(
+        accuracy=float(values["accuracy"]), accuracy_macro=float(values["accuracy_macro"]),
+        confusion=values["confusion"], precision=values["precision"], recall=values["recall"],
+        probs=torch.cat(probs), labels=torch.cat(labels), paths=[s.path for s in dataset.samples],
+    )
+
+
+@torch.inference_mode()
+def predict(model: FlowerClassifier, paths: list[str | Path], *, top_k: int = 3, image_size: int = 224,
+            batch_size: int = 32) -> list[dict]:
+    """One row per file, as ``predict --predictions.format json`` writes: path, prediction, probs, top_k, error."""
+    dataset = UnlabelledImages([str(p) for p in paths], eval_transform(crop_size=image_size))
+    device = next(model.parameters()).device
+    outputs = []
+    for images, indices, errors in DataLoader(dataset, batch_size=batch_size, shuffle=False):
+        probs = model(images.to(device)).float().softmax(dim=1).cpu()
+        outputs.append({"index": indices, "probs": probs, "error": list(errors)})
+    return prediction_rows(outputs, dataset.paths, model.class_names, top_k)
+
+
+def compare_checkpoints(folder: str | Path, datamodule: FlowerDataModule | None = None) -> list[dict]:
+    """Val accuracy of every checkpoint in ``folder``, each scored on the same split (the first one's run data)."""
+    rows = []
+    for ckpt in sorted(Path(folder).glob("*.ckpt")):
+        model, _, _ = load(ckpt)
+        datamodule = datamodule or datamodule_for(ckpt, model)
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        result = evaluate(model, datamodule)
+        rows.append({"checkpoint": ckpt.name, "epoch": state.get("epoch"), "step": state.get("global_step"),
+                     "val_acc": result.accuracy, "val_acc_macro": result.accuracy_macro})
+    return rows
+
+
+def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the run's TensorBoard event files: ``{tag: [(step, value), …]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0 = keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def per_epoch(scalars: dict[str, list[tuple[int, float]]], tag: str) -> list[tuple[int, float]]:
+    """``[(epoch, value), …]`` for an epoch-level tag, using the ``epoch`` scalar Lightning logs at each step."""
+    epoch_at = dict(scalars.get("epoch", []))
+    return [(int(epoch_at.get(step, i)), value) for i, (step, value) in enumerate(scalars.get(tag, []))]

@@ -1,0 +1,60 @@
+"""A test-only callback for multi-process runs: each rank writes what it saw to ``DIR/rankR.json``.
+
+The ddp tests run ``python -m flowers ... --trainer.callbacks+=tests.ddp_probe.Probe`` in a subprocess and
+read these files back, since the child's trainer is out of the test's reach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+class Probe(L.Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.train_orders: list[list[int]] = []
+        self.sampler_epochs: list[int] = []
+        self.eval_batch_sizes: list[int] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        sampler = trainer.train_dataloader.sampler
+        self.sampler_epochs.append(int(getattr(sampler, "epoch", -1)))
+        self.train_orders.append([int(i) for i in sampler])
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self.eval_batch_sizes = []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self.eval_batch_sizes.append(int(batch[1].shape[0]))
+
+    def _write(self, trainer, stage: str) -> None:
+        loaders = trainer.val_dataloaders if stage != "test" else trainer.test_dataloaders
+        sampler = getattr(loaders, "sampler", None)
+        record = {
+            "stage": stage,
+            "global_rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "env_rank": os.environ.get("RANK"),
+            "logger_version": trainer.logger.version if trainer.logger else None,
+            "log_dir": trainer.log_dir,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v)},
+            "sampler_epochs": self.sampler_epochs,
+            "train_orders": self.train_orders,
+            "eval_batch_sizes": self.eval_batch_sizes,
+            "eval_sampler": type(sampler).__name__,
+            "eval_shard": [int(i) for i in sampler] if sampler is not None else None,
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"{stage}_rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._write(trainer, "fit")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":
+            self._write(trainer, "validate")

@@ -1,0 +1,66 @@
+"""For tests/gpu/check_modes.sh: rank 0 writes images/s, val/acc and the replicas' compute dtype to JSON.
+
+Not a test module: pytest collects only ``test_*.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+
+class Throughput(L.Callback):
+    """Times the training epochs after the first (warm-up: cudnn autotuning, worker start-up)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.dtypes: set[str] = set()
+        self.images = 0
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # A hook on the last layer sees each replica's output dtype: under dp the hook dict is shared by
+        # the replicas, so bf16-mixed must show bfloat16 here, not float16 (pytorch issue 125186).
+        last = [m for m in pl_module.net.modules() if isinstance(m, nn.Linear)][-1]
+        last.register_forward_hook(lambda module, args, output: self.dtypes.add(str(output.dtype)))
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch >= 1:
+            self._sync()
+            self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._started is not None:
+            self.images += batch[0].shape[0] * trainer.world_size  # ddp: every rank trains its own batch
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._started is not None:
+            self._sync()
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        record = {
+            "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size,
+            "devices": trainer.num_devices,
+            "precision": trainer.precision,
+            "replica_dtypes": sorted(self.dtypes),
+            "images_per_s": self.images / self.seconds if self.seconds else None,
+            "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
+            "last_ckpt": str(Path(trainer.checkpoint_callback.last_model_path).resolve()),
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "throughput.json").write_text(json.dumps(record, indent=1))

@@ -1,0 +1,28 @@
+"""The quickstart learns the synthetic flowers; colour alone does not (tests/test_synthetic.py)."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+@pytest.mark.slow
+def test_quickstart_reaches_85_percent(in_tmp):
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "flowers", "fit", "--config", str(QUICKSTART), "--trainer.enable_progress_bar=false"],
+        capture_output=True, text=True, timeout=900,
+    )
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    best = re.search(r"Best checkpoint: (\S+)", done.stdout + done.stderr).group(1)
+    states = torch.load(best, map_location="cpu", weights_only=True)["callbacks"]
+    accuracy = float(next(v["best_model_score"] for k, v in states.items() if k.startswith("ModelCheckpoint")))
+    print(f"quickstart: best val/acc {accuracy:.4f} in {elapsed:.0f} s (data generation included)")
+    assert accuracy >= 0.85
