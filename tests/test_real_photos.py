@@ -8,7 +8,10 @@ import pytest
 from flowers.cli import cli_main
 
 SEED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "seed.yaml"
-CHANCE = 0.2  # five classes
+CHANCE = 0.2  # five classes; always answering "dandelion", the largest, scores 0.25
+# Seeds 42 and 7, at 3 and 4 epochs, scored 0.445-0.533 on 2 CPU cores: 0.35 keeps a margin for other
+# machines' numerics while still failing a model that learnt nothing but the class frequencies.
+MIN_VAL_ACC = 0.35
 
 
 @pytest.mark.slow
@@ -33,4 +36,4 @@ def test_seed_recipe_learns_the_real_photos(real_photos, in_tmp):
     assert len(cli.datamodule.val_set) >= 300  # the whole 10 % is scored, not a subset
     val_acc = float(cli.trainer.callback_metrics["val/acc"])
     print(f"val/acc {val_acc:.3f} in {time.perf_counter() - started:.0f} s")
-    assert val_acc >= 2 * CHANCE, f"val/acc {val_acc:.3f} after 4 short epochs; chance is {CHANCE}"
+    assert val_acc >= MIN_VAL_ACC, f"val/acc {val_acc:.3f} after 4 short epochs; chance is {CHANCE}"
