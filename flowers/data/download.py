@@ -20,18 +20,12 @@ import sys
 import tarfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
+from flowers.data.locking import HAS_LOCKS, folder_lock
 from flowers.errors import DataError
-
-try:
-    import fcntl
-except ImportError:  # Windows has no flock; there concurrent first runs are not guarded.
-    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +37,6 @@ DEFAULT_DIR = "data/flower_photos"
 MARKER = ".download.json"  # provenance, written into the extracted tree before it is renamed into place
 CHUNK = 1 << 20
 TIMEOUT_S = 60
-
-
-@contextmanager
-def _locked(target: Path) -> Iterator[None]:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # The lock file stays: deleting it would let a late process lock a different inode.
-    with open(target.parent / f".{target.name}.lock", "a") as handle:
-        if fcntl is None:
-            yield
-            return
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("Waiting for another process to finish downloading into %s", target)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _is_ready(target: Path) -> bool:
@@ -222,10 +197,10 @@ def fetch_flower_photos(
     target = Path(target_dir).expanduser()
     if _is_ready(target):
         return target
-    with _locked(target):
+    with folder_lock(target, waiting_for="downloading"):
         if _is_ready(target):  # another process downloaded it while we waited
             return target
-        if fcntl is not None:  # without a lock another process may be writing its temporary files now
+        if HAS_LOCKS:  # without a lock another process may be writing its temporary files now
             _remove_leftovers(target)
         _fetch(target, url, sha256)
     log.info("The flower photos are in %s", target)

@@ -14,18 +14,14 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-try:
-    import fcntl
-except ImportError:  # Windows has no flock; there concurrent first runs are not guarded.
-    fcntl = None
+from flowers.data.locking import HAS_LOCKS, folder_lock
 
 log = logging.getLogger(__name__)
 
@@ -416,25 +412,6 @@ def generate(root: str | os.PathLike, *, per_class: int = 300, size: int = 96, s
     return root
 
 
-@contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    root.parent.mkdir(parents=True, exist_ok=True)
-    # The lock file stays: deleting it would let a late process lock a different inode.
-    with open(root.parent / f".{root.name}.lock", "a") as handle:
-        if fcntl is None:
-            yield
-            return
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("Waiting for another process to finish drawing the synthetic set in %s", root)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _remove_leftovers(root: Path) -> None:
     # Called under the lock, when no other process is drawing: these are from killed runs.
     prefixes = (f".{root.name}.tmp-", f".{root.name}.old-")
@@ -448,9 +425,9 @@ def ensure_synthetic(root: str | os.PathLike, *, per_class: int = 300, size: int
     params = _params(per_class, size, seed)
     if _read_marker(root) == params:
         return root
-    with _locked(root):
+    with folder_lock(root, waiting_for="drawing the synthetic set"):
         if _read_marker(root) == params:  # another process drew it while we waited
             return root
-        if fcntl is not None:  # without a lock another process may be drawing into its tmp folder now
+        if HAS_LOCKS:  # without a lock another process may be drawing into its tmp folder now
             _remove_leftovers(root)
         return generate(root, per_class=per_class, size=size, seed=seed)
