@@ -1,11 +1,19 @@
+"""``python -m flowers`` and the ``flowers`` command: LightningCLI's subcommands, plus ``export``."""
+
 import sys
 
-if sys.argv[1:2] == ["export"]:
-    # export is plain argparse, not a LightningCLI subcommand: it builds no Trainer and needs no data.
-    from flowers.export import main as export_main
 
-    sys.exit(export_main(sys.argv[2:]))
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        # export is plain argparse, not a LightningCLI subcommand: it builds no Trainer and needs no data.
+        from flowers.export import main as export_main
 
-from flowers.cli import main  # noqa: E402
+        return export_main(argv[1:])
+    from flowers.cli import main as cli
 
-sys.exit(main())
+    return cli(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -65,3 +65,14 @@ def test_the_module_entry_dispatches_export_and_reports_a_missing_checkpoint(tmp
     done = subprocess.run([sys.executable, "-m", "flowers", "export", "--ckpt_path", str(tmp_path / "no.ckpt")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_installed_flowers_command_routes_export_and_the_lightning_subcommands(tmp_path):
+    command = Path(sys.executable).with_name("flowers")
+    if not command.is_file():
+        pytest.skip(f"no console script at {command}: flowers is not pip-installed in this environment")
+    export = subprocess.run([str(command), "export", "--ckpt_path", str(tmp_path / "no.ckpt")],
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 2 and "does not exist" in export.stderr
+    fit = subprocess.run([str(command), "fit", "--help"], capture_output=True, text=True, timeout=120)
+    assert fit.returncode == 0 and "--data.data_dir" in fit.stdout
