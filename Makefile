@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 CONFIG ?= configs/quickstart.yaml
 
-.PHONY: help install train data test test-slow test-all lint tensorboard clean
+.PHONY: help install train data test test-slow test-all lint bench tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ test-all: $(STAMP)  ## run every test
 
 lint: $(STAMP)  ## ruff
 	$(BIN)/ruff check flowers tests
+
+bench: $(STAMP)  ## time an epoch: plain PyTorch vs Lightning vs configs/fast.yaml (needs `make data`)
+	$(BIN)/python -m flowers.bench $(BENCH_ARGS)
 
 tensorboard: $(STAMP)  ## serve the logs under runs/ on http://127.0.0.1:6006
 	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port 6006

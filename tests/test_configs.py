@@ -48,7 +48,7 @@ def test_configs_compose_later_files_win(in_tmp, tiny_synthetic):
     root = CONFIGS[0].parent
     cli = cli_main(["--config", str(root / "seed.yaml"), "--config", str(root / "quickstart.yaml"),
                     f"--data.data_dir={tiny_synthetic}"], run=False)
-    assert cli.datamodule.image_size == 64 and cli.trainer.max_epochs == 12
+    assert cli.datamodule.image_size == 64 and cli.trainer.max_epochs == 24
     assert cli.datamodule.crop_scale == (0.6, 1.0)
 
 

@@ -14,8 +14,8 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 @pytest.mark.slow
 def test_quickstart_learns_the_synthetic_flowers(in_tmp):
-    # Measured: 0.747 best val/acc after its 12 epochs (chance is 0.2). Issue 2 asks for 0.85 within
-    # 3 minutes; this recipe does not reach that yet, so the test guards what it does reach.
+    # Measured on a 2-core AMD EPYC: 0.887 best val/acc after its 24 epochs (chance is 0.2). The
+    # promise is >= 0.85 within 3 minutes; the time is printed, not asserted (CI machines are noisy).
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "flowers", "fit", "--config", str(QUICKSTART), "--trainer.enable_progress_bar=false"],
@@ -27,4 +27,4 @@ def test_quickstart_learns_the_synthetic_flowers(in_tmp):
     states = torch.load(best, map_location="cpu", weights_only=True)["callbacks"]
     accuracy = float(next(v["best_model_score"] for k, v in states.items() if k.startswith("ModelCheckpoint")))
     print(f"quickstart: best val/acc {accuracy:.4f} in {elapsed:.0f} s (data generation included)")
-    assert accuracy >= 0.65
+    assert accuracy >= 0.85

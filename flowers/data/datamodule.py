@@ -6,10 +6,13 @@ import os
 from pathlib import Path
 
 import lightning as L
+import numpy as np
+import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from flowers.data import synthetic
+from flowers.data import batch_augment, synthetic
+from flowers.data.cache import ImageCache, cache_side, ensure_cache
 from flowers.data.datasets import LabelledImages, UnlabelledImages
 from flowers.data.download import DEFAULT_DIR, FLOWER_PHOTOS_SHA256, FLOWER_PHOTOS_URL, fetch_flower_photos
 from flowers.data.folders import (
@@ -51,6 +54,11 @@ class FlowerDataModule(L.LightningDataModule):
             ``data/flower_photos``) unless that folder already holds data; one process per machine downloads.
         download_url: where the archive comes from.
         download_sha256: its expected SHA-256, checked before extraction; null skips the check.
+        cache: the fast data path: decode the train/val images once into a uint8 cache
+            (flowers.data.cache) and crop, flip and normalise them in batches on the training device
+            (flowers.data.batch_augment) instead of in PIL per image. Test and predict keep the PIL path.
+        cache_dir: where the cache goes when the data folder is read-only.
+        pin_memory: page-locked host batches for faster copies to the GPU; unset: on when training on CUDA.
     """
 
     def __init__(
@@ -74,6 +82,9 @@ class FlowerDataModule(L.LightningDataModule):
         download: bool = False,
         download_url: str = FLOWER_PHOTOS_URL,
         download_sha256: str | None = FLOWER_PHOTOS_SHA256,
+        cache: bool = False,
+        cache_dir: str = "data/cache",
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         if not 0 < val_split < 1:
@@ -101,6 +112,9 @@ class FlowerDataModule(L.LightningDataModule):
         self.synthetic_dir = Path(synthetic_dir)
         self.synthetic_per_class = synthetic_per_class
         self.synthetic_size = synthetic_size
+        self.cache = cache
+        self.cache_dir = Path(cache_dir)
+        self.pin_memory = pin_memory
         self.class_names = self._check_class_names(class_names)
         self.train_set = self.val_set = self.test_set = self.predict_set = None
 
@@ -158,9 +172,15 @@ class FlowerDataModule(L.LightningDataModule):
                 train, val = stratified_split(
                     self._labelled(root), val_fraction=self.val_split, seed=self.split_seed
                 )
-            augment = train_transform(crop_size=self.image_size, crop_scale=self.crop_scale)
-            self.train_set = LabelledImages(train, augment)
-            self.val_set = LabelledImages(val, self._eval_transform())
+            if self.cache:
+                cache = ensure_cache([s.path for s in train + val], root=root, side=cache_side(self.image_size),
+                                     fallback_dir=self.cache_dir)
+                self.train_set = CachedImages(cache, range(len(train)), [s.label for s in train])
+                self.val_set = CachedImages(cache, range(len(train), len(train) + len(val)), [s.label for s in val])
+            else:
+                augment = train_transform(crop_size=self.image_size, crop_scale=self.crop_scale)
+                self.train_set = LabelledImages(train, augment)
+                self.val_set = LabelledImages(val, self._eval_transform())
         if stage == "test":
             if not (root / "test").is_dir():
                 raise DataError(
@@ -168,6 +188,18 @@ class FlowerDataModule(L.LightningDataModule):
                     "`validate` to score the validation split."
                 )
             self.test_set = LabelledImages(self._labelled(root / "test"), self._eval_transform())
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        # Cached batches arrive as uint8 squares plus the originals' sizes; here, on the training
+        # device, they become what the PIL transforms would have produced.
+        if not (isinstance(batch, (list, tuple)) and len(batch) == 3 and batch[0].dtype == torch.uint8):
+            return batch
+        squares, labels, sizes = batch
+        if self.trainer is not None and self.trainer.training:
+            images = batch_augment.train_batch(squares, sizes, crop_size=self.image_size, scale=self.crop_scale)
+        else:
+            images = batch_augment.eval_batch(squares, crop_size=self.image_size)
+        return images, labels
 
     def _eval_transform(self):
         return eval_transform(crop_size=self.image_size)
@@ -209,6 +241,7 @@ class FlowerDataModule(L.LightningDataModule):
     def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None) -> DataLoader:
         workers = self.num_workers
         on_gpu = self.trainer is not None and self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
+        pin = on_gpu if self.pin_memory is None else self.pin_memory
         return DataLoader(
             dataset,
             batch_size=batch_size,
@@ -216,7 +249,7 @@ class FlowerDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
-            pin_memory=on_gpu,
+            pin_memory=pin,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -247,3 +280,21 @@ class FlowerDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_set, batch_size=self.eval_batch_size, shuffle=False)
+
+
+class CachedImages(Dataset):
+    """Items ``indices`` of an ImageCache: ``(3 × S × S uint8 square, label, original (height, width))``."""
+
+    def __init__(self, cache: ImageCache, indices, labels: list[int]) -> None:
+        self.cache = cache
+        self.indices = np.asarray(list(indices))
+        self.labels = list(labels)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        i = int(self.indices[index])
+        # np.array copies the memory-mapped image, so the batch does not pin pages of the file.
+        square = torch.from_numpy(np.array(self.cache.pixels[i]))
+        return square, self.labels[index], torch.from_numpy(self.cache.sizes[i])

@@ -10,6 +10,10 @@ from torch.utils.data import Dataset
 
 from flowers.data.folders import Sample
 from flowers.data.transforms import load_rgb
+from flowers.errors import DataError
+
+# What PIL raises for broken, truncated, foreign or oversized files (DecompressionBombError is none of the others).
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 class LabelledImages(Dataset):
@@ -22,7 +26,16 @@ class LabelledImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         sample = self.samples[index]
-        return self.transform(load_rgb(sample.path)), sample.label
+        try:
+            image = load_rgb(sample.path)
+        except DECODE_ERRORS as error:
+            # Only reached with verify_images=false (setup skips such files otherwise), or for a file that
+            # changed after setup: name it instead of ending in a PIL traceback from a loader worker.
+            raise DataError(
+                f"Cannot read training image {sample.path!r} ({type(error).__name__}: {error}). Remove or "
+                "replace it, or keep --data.verify_images=true to skip unreadable files with a warning."
+            ) from None
+        return self.transform(image), sample.label
 
 
 class UnlabelledImages(Dataset):
@@ -42,6 +55,6 @@ class UnlabelledImages(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, str]:
         try:
             return self.transform(load_rgb(self.paths[index])), index, ""
-        except (OSError, ValueError, SyntaxError) as error:  # PIL raises all three for broken files
+        except DECODE_ERRORS as error:
             placeholder = self.transform(Image.new("RGB", (8, 8)))  # same shape as a real item
             return torch.zeros_like(placeholder), index, f"{type(error).__name__}: {error}"

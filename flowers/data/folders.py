@@ -17,6 +17,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image, UnidentifiedImageError
 
+from flowers.data.transforms import open_image
 from flowers.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -38,20 +39,41 @@ def is_image_file(path: Path) -> bool:
 
 def find_classes(root: Path) -> list[str]:
     """Class names are the sorted sub-folder names, as ImageFolder does (so indices agree with it)."""
+    if root.is_file():
+        raise DataError(
+            f"Data folder {str(root)!r} is a file, not a folder. Point --data.data_dir at the folder that holds "
+            "the class folders (root/<class>/*.jpg), not at an image or archive inside it."
+        )
     if not root.is_dir():
         raise DataError(
             f"Data folder {str(root)!r} does not exist or is not a folder. Point --data.data_dir at a "
             "folder of class folders (root/<class>/*.jpg) or of train/ and val/ folders of class folders."
         )
-    classes = sorted(
-        entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".")
-    )
+    entries = [entry for entry in os.scandir(root) if not entry.name.startswith(".")]
+    classes = sorted(entry.name for entry in entries if _is_class_dir(entry, root))
     if not classes:
         raise DataError(
             f"Data folder {str(root)!r} has no class folders. Expected root/<class>/*.jpg, one "
             "sub-folder per class, or root/train/<class>/ and root/val/<class>/."
         )
     return classes
+
+
+def _is_class_dir(entry: os.DirEntry, root: Path) -> bool:
+    try:
+        is_dir = entry.is_dir()  # follows a symlink: a linked class folder is a class folder
+    except OSError as error:  # ELOOP: a link that points at itself
+        raise DataError(
+            f"{entry.path!r} in the data folder cannot be followed ({error.strerror}); it is a symlink loop. "
+            "Remove the link or point it at a real folder of images."
+        ) from None
+    if is_dir and entry.is_symlink() and root.resolve().is_relative_to(Path(entry.path).resolve()):
+        # A link to the data folder or above it would read every class's photos as one more class.
+        raise DataError(
+            f"Class folder {entry.path!r} is a symlink back to {str(Path(entry.path).resolve())!r}, which "
+            "contains the data folder itself (a symlink loop). Remove the link."
+        )
+    return is_dir
 
 
 def is_split_layout(root: Path) -> bool:
@@ -61,7 +83,8 @@ def is_split_layout(root: Path) -> bool:
 
 def _image_paths(folder: Path) -> list[Path]:
     paths = []
-    # followlinks=False: a symlink loop inside the data cannot make the walk run forever.
+    # followlinks=False: a symlink loop inside the data cannot make the walk run forever (linked
+    # sub-folders inside a class folder are not entered; a linked class folder itself is).
     for dirpath, dirnames, filenames in os.walk(folder):
         # Hidden folders (.ipynb_checkpoints, .thumbnails) hold copies and thumbnails, not more photos.
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -92,12 +115,12 @@ def image_problem(path: str) -> str | None:
     try:
         if os.path.getsize(path) == 0:
             return "empty file"
-        with Image.open(path) as image:
+        with open_image(path) as image:
             image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
             image.load()
     except UnidentifiedImageError:
         return "not an image"
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:  # = datasets.DECODE_ERRORS
         return str(error) or type(error).__name__
     return None
 

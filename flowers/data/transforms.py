@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -12,9 +15,29 @@ SEED_MEAN = (0.5, 0.5, 0.5)
 SEED_STD = (0.5, 0.5, 0.5)
 
 
+@contextmanager
+def open_image(path: str) -> Iterator[Image.Image]:
+    """``Image.open`` that refuses what would hang or exhaust the process instead of decoding it.
+
+    PIL only *warns* between ``MAX_IMAGE_PIXELS`` (89 M pixels) and twice that, then decodes: a 1-bit PNG
+    of a few kB can ask for hundreds of MB per worker. Both levels raise ``DecompressionBombError`` here.
+    A FIFO or device named ``*.jpg`` would block ``open`` forever: only regular files are opened.
+    """
+    if not os.path.isfile(path):
+        raise OSError(f"not a regular file: {path}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(path)
+        except Image.DecompressionBombWarning as warning:
+            raise Image.DecompressionBombError(f"decompression bomb refused: {warning}") from None
+    with image:
+        yield image
+
+
 def load_rgb(path: str) -> Image.Image:
     """Open any image as RGB: grayscale, 16-bit, palette, RGBA and CMYK are converted, EXIF rotation applied."""
-    with Image.open(path) as image:
+    with open_image(path) as image:
         try:
             image = ImageOps.exif_transpose(image)
         except Exception:  # a malformed EXIF block must not cost the photo: use it unrotated

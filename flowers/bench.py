@@ -1,0 +1,383 @@
+"""``python -m flowers.bench``: how fast one training epoch is, plain PyTorch vs Lightning vs the fast path.
+
+In one process, on the same images, split, model, optimizer (Adam 2e-4), batch size and thread count:
+
+* ``a``: a hand-written loop as the seed's single-device code (PIL decode per image, fp32, a train
+  epoch then a val epoch under ``torch.no_grad``);
+* ``b``: ``Trainer.fit`` on the same loader in fp32, with no progress bar, logger or checkpointing:
+  Lightning's own cost;
+* ``b_cli``: ``b`` plus what ``python -m flowers fit`` adds (TensorBoard logger, the project's callbacks);
+* ``c``: ``fit`` with ``configs/fast.yaml`` (cache + batched augmentation, bf16-mixed, channels_last,
+  larger eval batch, pinned memory on CUDA).
+
+Each variant is warmed up, then run ``--repeats`` times, alternating, one full epoch each. The table gives
+medians (min–max) and each ratio to ``a``; the compute floor (train steps on tensors already in
+memory) and the loaders alone say how close each variant gets to what the hardware allows.
+Peak memory is the GPU's on CUDA, else the main process's resident peak (loader workers not included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import yaml
+from torch import nn
+
+from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
+from flowers.data import FlowerDataModule
+from flowers.errors import ConfigError, FlowersError
+from flowers.model import AlexNet
+from flowers.module import SEED_LR, FlowerClassifier
+
+FAST_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "fast.yaml"
+VARIANTS = ("a", "b", "b_cli", "c")
+LABELS = {"a": "a plain PyTorch loop", "b": "b fit, seed settings", "b_cli": "b_cli fit + CLI logger/callbacks",
+          "c": "c fit, configs/fast.yaml"}
+
+
+# -- measuring ---------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 resets VmHWM, the resident peak, so each run gets its own
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _limited(loader, limit: int | None):
+    for i, batch in enumerate(loader):
+        if limit is not None and i >= limit:
+            return
+        yield batch
+
+
+# -- the variants --------------------------------------------------------------------------------
+def _datamodule(args, **overrides) -> FlowerDataModule:
+    # pin_memory off as in the seed's DataLoader, so a and b share exactly one loader; c's comes from fast.yaml.
+    kwargs = dict(data_dir=str(args.data_dir), image_size=args.image_size, batch_size=args.batch_size,
+                  num_workers=args.num_workers, pin_memory=False)
+    kwargs.update(overrides)
+    return FlowerDataModule(**kwargs)
+
+
+def run_plain(args, device: torch.device) -> dict:
+    datamodule = _datamodule(args)
+    datamodule.setup("fit")
+    model = AlexNet(datamodule.num_classes).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR)
+    loss_fn = nn.CrossEntropyLoss()
+    _reset_peak(device)
+    start = time.perf_counter()
+    model.train()
+    seen = 0
+    running_loss = 0.0
+    for images, labels in _limited(datamodule.train_dataloader(), args.limit_batches):
+        images, labels = images.to(device), labels.to(device)
+        optimizer.zero_grad()
+        loss = loss_fn(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        running_loss += loss.item()  # the seed prints the running loss: one sync per step, as fit's logging
+        seen += len(labels)
+    _sync(device)
+    train_end = time.perf_counter()
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for images, labels in _limited(datamodule.val_dataloader(), args.limit_batches):
+            correct += (model(images.to(device)).argmax(1) == labels.to(device)).sum().item()
+    _sync(device)
+    end = time.perf_counter()
+    return {"train_images": seen, "train_s": train_end - start, "val_s": end - train_end, "epoch_s": end - start,
+            "peak_mb": _peak_mb(device)}
+
+
+class _EpochTimer(L.Callback):
+    # The same span as run_plain times, from before the train loader's first iter() (which Lightning
+    # calls, prefetching a batch, before on_train_epoch_start) to the end of validation.
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seen = 0
+        self.times: dict[str, float] = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        _reset_peak(self.device)
+        self.times["start"] = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen += len(batch[1])
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            _sync(self.device)
+            self.times["train_end"] = time.perf_counter()
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            _sync(self.device)
+            self.times["end"] = time.perf_counter()
+
+    def result(self) -> dict:
+        t = self.times
+        return {"train_images": self.seen, "train_s": t["train_end"] - t["start"], "val_s": t["end"] - t["train_end"],
+                "epoch_s": t["end"] - t["start"], "peak_mb": _peak_mb(self.device)}
+
+
+def fast_settings() -> dict:
+    return yaml.safe_load(FAST_CONFIG.read_text())
+
+
+def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
+    timer = _EpochTimer(device)
+    trainer_kwargs = dict(
+        accelerator=device.type, devices=1, max_epochs=1, precision="32-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_train_batches=args.limit_batches, limit_val_batches=args.limit_batches,
+        callbacks=[timer], default_root_dir=str(workdir),
+    )
+    model_kwargs, data_kwargs = {}, {}
+    if variant == "b_cli":
+        trainer_kwargs["logger"] = L.pytorch.loggers.TensorBoardLogger(str(workdir), name="bench",
+                                                                        default_hp_metric=False)
+        trainer_kwargs["callbacks"] = [timer, L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"),
+                                       ClassIndicesWriter(), TensorBoardPictures()]
+    elif variant == "c":
+        fast = fast_settings()
+        trainer_kwargs["precision"] = args.fast_precision or fast["trainer"]["precision"]
+        model_kwargs = dict(fast.get("model", {}))
+        if args.compile:
+            model_kwargs["compile"] = True
+        data_kwargs = {k: v for k, v in fast.get("data", {}).items()}
+    datamodule = _datamodule(args, **data_kwargs)
+    model = FlowerClassifier(datamodule.num_classes, datamodule.class_names, **model_kwargs)
+    trainer = L.Trainer(**{k: v for k, v in trainer_kwargs.items() if v is not None})
+    trainer.fit(model, datamodule=datamodule)
+    return timer.result()
+
+
+# -- floor and loaders --------------------------------------------------------------------------
+def compute_floor(args, device: torch.device, num_classes: int) -> dict:
+    """Train steps/s on one batch already on the device: what the model alone allows."""
+    steps = args.floor_steps
+    results = {}
+    for name, dtype, channels_last in (("fp32", None, False), ("bf16", torch.bfloat16, False),
+                                       ("bf16_channels_last", torch.bfloat16, True)):
+        model = AlexNet(num_classes).to(device)
+        images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+        labels = torch.randint(0, num_classes, (args.batch_size,), device=device)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+            images = images.contiguous(memory_format=torch.channels_last)
+        optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR)
+        for i in range(min(3, steps) + steps):  # the first few warm up oneDNN's kernels and are not timed
+            if i == min(3, steps):
+                _sync(device)
+                start = time.perf_counter()
+            optimizer.zero_grad()
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = nn.functional.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+        _sync(device)
+        results[name] = steps * args.batch_size / (time.perf_counter() - start)
+    return results
+
+
+def loader_alone(args, device: torch.device) -> dict:
+    """Train images/s of each data path with no model: PIL per image, and the cache + batched augmentation."""
+    results = {}
+    for name, overrides in (("pil", {}), ("cache", {"cache": True, "pin_memory": device.type == "cuda"})):
+        datamodule = _datamodule(args, **overrides)
+        datamodule.setup("fit")
+        seen = 0
+        start = time.perf_counter()
+        for batch in _limited(datamodule.train_dataloader(), args.limit_batches):
+            if name == "cache":
+                batch = [x.to(device, non_blocking=True) for x in batch]
+                batch = _train_augment(datamodule, batch)
+            seen += len(batch[1])
+        _sync(device)
+        results[name] = seen / (time.perf_counter() - start)
+    return results
+
+
+def _train_augment(datamodule: FlowerDataModule, batch):
+    from flowers.data.batch_augment import train_batch
+
+    squares, labels, sizes = batch
+    return train_batch(squares, sizes, crop_size=datamodule.image_size, scale=datamodule.crop_scale), labels
+
+
+# -- the report -----------------------------------------------------------------------------------
+def summarise(runs: list[dict]) -> dict:
+    out = {}
+    for key in ("train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb"):
+        values = [r[key] for r in runs]
+        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def _floor_for(variant: str, precision: str, floor: dict) -> float:
+    if variant != "c" or not precision.startswith("bf16"):
+        return floor["fp32"]
+    return floor["bf16_channels_last"] if fast_settings().get("model", {}).get("channels_last") else floor["bf16"]
+
+
+def table(report: dict) -> str:
+    rows = [f"{'variant':34} {'train img/s':>22} {'epoch s':>20} {'peak MB':>8} {'img/s÷a':>8} {'time÷a':>7} "
+            f"{'÷floor':>7}"]
+    base = report["variants"].get("a")
+    for variant, result in report["variants"].items():
+        s = result["summary"]
+        ips, ep = s["train_images_per_s"], s["epoch_s"]
+        ratio = f"{ips['median'] / base['summary']['train_images_per_s']['median']:.3f}" if base else "-"
+        time_ratio = f"{ep['median'] / base['summary']['epoch_s']['median']:.3f}" if base else "-"
+        rows.append(f"{LABELS[variant]:34} {ips['median']:8.1f} ({ips['min']:.1f}–{ips['max']:.1f})"
+                    f" {ep['median']:7.2f} ({ep['min']:.2f}–{ep['max']:.2f}) {s['peak_mb']['median']:8.0f}"
+                    f" {ratio:>8} {time_ratio:>7} {result['fraction_of_floor']:7.1%}")
+    floor, loader = report["floor"], report["loader"]
+    rows.append(f"{'floor: train step on tensors':34} fp32 {floor['fp32']:.1f}, bf16 {floor['bf16']:.1f}, "
+                f"bf16+channels_last {floor['bf16_channels_last']:.1f} img/s")
+    rows.append(f"{'loader alone (train)':34} PIL {loader['pil']:.1f}, "
+                f"cache+batched augment {loader['cache']:.1f} img/s")
+    rows.append(f"cache build (once): {report['cache_build_s']:.2f} s")
+    c = report["config"]
+    rows.append(f"{c['device']}, {c['threads']} threads, {c['workers']} loader workers, batch {c['batch_size']}, "
+                f"{c['image_size']} px, {c['train_images']} train / {c['val_images']} val images, "
+                f"{c['repeats']} repeats")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m flowers.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", type=Path, default=Path("data/flower_photos"),
+                        help="a folder of class folders (default: data/flower_photos, from `make data`)")
+    parser.add_argument("--synthetic", action="store_true", help="use the embedded synthetic set instead")
+    parser.add_argument("--synthetic-dir", type=Path, default=Path("data/synthetic"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-workers", type=int, default=None, help="default: the seed's min(cpu, batch, 8)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--limit-batches", type=int, default=None, help="batches per epoch (for smoke tests)")
+    parser.add_argument("--floor-steps", type=int, default=20)
+    parser.add_argument("--warmup-batches", type=int, default=3, help="batches of each variant's warm-up run (0: none)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
+    parser.add_argument("--fast-precision", default=None, help="override fast.yaml's precision for c")
+    parser.add_argument("--compile", action="store_true", help="c with torch.compile")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the full results here")
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := set(args.variants) - set(VARIANTS):
+        raise ConfigError(f"--variants {sorted(unknown)} unknown; choose from {', '.join(VARIANTS)}.")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}.")
+    if args.synthetic:
+        from flowers.data import synthetic
+
+        args.data_dir = synthetic.ensure_synthetic(args.synthetic_dir)
+    elif not args.data_dir.is_dir():
+        raise ConfigError(f"--data-dir {str(args.data_dir)!r} does not exist; run `make data`, or pass --synthetic.")
+    return args
+
+
+def bench(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    probe = _datamodule(args)
+    probe.setup("fit")
+    start = time.perf_counter()
+    _datamodule(args, cache=True).setup("fit")  # builds the cache (or finds it) outside the timed runs
+    cache_build_s = time.perf_counter() - start
+    runners = {"a": lambda workdir: run_plain(args, device)}
+    for variant in ("b", "b_cli", "c"):
+        runners[variant] = lambda workdir, v=variant: run_fit(args, device, v, workdir)
+    runs = {v: [] for v in args.variants}
+    with tempfile.TemporaryDirectory(prefix="flowers-bench-") as tmp:
+        warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches})
+        for variant in args.variants if args.warmup_batches > 0 else ():
+            # Warm-up: allocator, oneDNN kernel choice, page cache, Lightning's first imports.
+            (run_plain(warm, device) if variant == "a" else run_fit(warm, device, variant, Path(tmp)))
+        for repeat in range(args.repeats):
+            for variant in args.variants:
+                torch.manual_seed(repeat)
+                result = runners[variant](Path(tmp) / f"{variant}-{repeat}")
+                result["train_images_per_s"] = result["train_images"] / result["train_s"]
+                runs[variant].append(result)
+                print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
+                      f"epoch {result['epoch_s']:.2f} s", file=sys.stderr, flush=True)
+    floor = compute_floor(args, device, probe.num_classes)
+    loader = loader_alone(args, device)
+    fast_precision = args.fast_precision or fast_settings()["trainer"]["precision"]
+    report = {
+        "config": {"device": str(device), "threads": torch.get_num_threads(), "workers": probe.num_workers,
+                   "batch_size": args.batch_size, "image_size": args.image_size, "repeats": args.repeats,
+                   "limit_batches": args.limit_batches, "data_dir": str(args.data_dir),
+                   "train_images": len(probe.train_set), "val_images": len(probe.val_set),
+                   "fast_precision": fast_precision, "compile": args.compile, "torch": torch.__version__,
+                   "lightning": L.__version__, "cpu_count": os.cpu_count()},
+        "cache_build_s": cache_build_s,
+        "floor": floor,
+        "loader": loader,
+        "variants": {},
+    }
+    base = statistics.median(r["train_images_per_s"] for r in runs["a"]) if "a" in runs else None
+    for variant, results in runs.items():
+        summary = summarise(results)
+        ips = summary["train_images_per_s"]["median"]
+        report["variants"][variant] = {
+            "runs": results, "summary": summary,
+            "ratio_to_a": ips / base if base else None,
+            "fraction_of_floor": ips / _floor_for(variant, fast_precision if variant == "c" else "32", floor),
+        }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        report = bench(args)
+    except FlowersError as error:
+        print(f"flowers.bench: error: {error}", file=sys.stderr)
+        return 2
+    print(table(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

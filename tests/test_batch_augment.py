@@ -1,0 +1,102 @@
+"""The batched uint8 augmentation matches the seed's PIL transforms in distribution and in value."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+from flowers.data import synthetic
+from flowers.data.batch_augment import eval_batch, sample_crop_boxes, train_batch
+from flowers.data.cache import _decode, cache_side
+from flowers.data.transforms import eval_transform
+
+
+def _torchvision_boxes(height: int, width: int, n: int, scale, ratio=(3 / 4, 4 / 3)) -> np.ndarray:
+    image = torch.empty(1, height, width)
+    return np.array([T.RandomResizedCrop.get_params(image, list(scale), list(ratio)) for _ in range(n)], dtype=float)
+
+
+@pytest.mark.parametrize(("height", "width", "scale"), [
+    (240, 320, (0.08, 1.0)),   # a typical flower photo
+    (500, 160, (0.08, 1.0)),   # tall: many tries fail, the centre-crop fallback matters
+    (64, 64, (0.6, 1.0)),      # small, the quickstart's milder crop: rounding matters
+])
+def test_crop_boxes_match_torchvision_in_distribution(height, width, scale):
+    torch.manual_seed(0)
+    ours = sample_crop_boxes(torch.tensor([[height, width]] * 20000), scale=scale).numpy()
+    theirs = _torchvision_boxes(height, width, 4000, scale)
+    for boxes in (ours, theirs):
+        assert (boxes[:, 0] >= 0).all() and (boxes[:, 1] >= 0).all()
+        assert (boxes[:, 0] + boxes[:, 2] <= height).all() and (boxes[:, 1] + boxes[:, 3] <= width).all()
+
+    def stats(boxes):
+        area = boxes[:, 2] * boxes[:, 3] / (height * width)
+        log_aspect = np.log(boxes[:, 3] / boxes[:, 2])
+        centre_y = (boxes[:, 0] + boxes[:, 2] / 2) / height
+        return {name: np.quantile(v, [0.1, 0.25, 0.5, 0.75, 0.9]) for name, v in
+                {"area": area, "log_aspect": log_aspect, "centre_y": centre_y}.items()}
+
+    a, b = stats(ours), stats(theirs)
+    # 4,000 torchvision draws: a quantile's standard error is about 0.01 of the range.
+    np.testing.assert_allclose(a["area"], b["area"], atol=0.03)
+    np.testing.assert_allclose(a["log_aspect"], b["log_aspect"], atol=0.03 * math.log(16 / 9))
+    np.testing.assert_allclose(a["centre_y"], b["centre_y"], atol=0.03)
+
+
+def test_fallback_is_torchvisions_centre_crop():
+    # scale above 1 never fits: every box is the fallback, which torchvision computes deterministically.
+    ours = sample_crop_boxes(torch.tensor([[500, 160], [160, 500], [100, 100]]), scale=(2.0, 3.0))
+    expected = [_torchvision_boxes(h, w, 1, (2.0, 3.0))[0] for h, w in ((500, 160), (160, 500), (100, 100))]
+    np.testing.assert_array_equal(ours.numpy(), np.array(expected))
+
+
+def test_flip_probability_and_output_format():
+    torch.manual_seed(0)
+    n, side = 600, 16
+    squares = torch.zeros(n, 3, side, side, dtype=torch.uint8)
+    squares[..., side // 2:] = 255  # dark left, bright right
+    out = train_batch(squares, torch.tensor([[side, side]] * n), crop_size=12, scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    assert out.shape == (n, 3, 12, 12) and out.dtype == torch.float32
+    assert out.min() >= -1 and out.max() <= 1 and out.min() == -1 and out.max() == 1
+    flipped = (out[..., :6].mean(dim=(1, 2, 3)) > out[..., 6:].mean(dim=(1, 2, 3))).float().mean()
+    assert abs(flipped - 0.5) < 0.07  # 600 draws: 4 standard errors
+    none = train_batch(squares, torch.tensor([[side, side]] * n), crop_size=12, scale=(1.0, 1.0), ratio=(1.0, 1.0),
+                       hflip_prob=0.0)
+    assert (none[..., :6] < none[..., 6:]).all()
+
+
+def test_train_crops_show_the_boxes_region():
+    # A whole-image box must give the squash of the whole photo: the box maps from original to square.
+    torch.manual_seed(0)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    square, size = _decode_pil(image, 40)
+    out = train_batch(square[None], torch.tensor([size]), crop_size=40, scale=(1.0, 1.0), ratio=(50 / 30, 50 / 30),
+                      hflip_prob=0.0)
+    np.testing.assert_allclose(out[0].numpy(), eval_batch(square[None], crop_size=40)[0].numpy(), atol=1e-6)
+
+
+def _decode_pil(image: Image.Image, side: int):
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".png") as handle:
+        image.save(handle.name)
+        array, size = _decode(handle.name, side)
+    return torch.from_numpy(array.copy()), list(size)
+
+
+@pytest.mark.parametrize(("size", "crop"), [((96, 96), 64), ((180, 120), 112), ((90, 150), 64)])
+def test_eval_matches_eval_transform(size, crop):
+    rng = np.random.default_rng(1)
+    image = synthetic.draw_flower(2, rng, size=max(size)).resize(size, Image.Resampling.BICUBIC)
+    square, _ = _decode_pil(image, cache_side(crop))
+    ours = eval_batch(square[None], crop_size=crop)[0]
+    seed = eval_transform(crop_size=crop)(image)
+    assert ours.shape == seed.shape
+    difference = (ours - seed).abs()
+    # Two resizes instead of one: a few grey levels off on edges, nothing on average (range is 2).
+    assert difference.mean() < 0.015 and difference.max() < 0.25, (difference.mean(), difference.max())

@@ -1,0 +1,48 @@
+"""`python -m flowers.bench` runs end to end on tiny data and reports every row (no timings checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from flowers.bench import VARIANTS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_prints_every_row_and_writes_json(in_tmp, tiny_synthetic, capsys):
+    out = in_tmp / "bench.json"
+    code = main(["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
+                 "--limit-batches", "1", "--repeats", "1", "--floor-steps", "1",
+                 "--warmup-batches", "0", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for row in ("a plain PyTorch loop", "b fit, seed settings", "b_cli fit + CLI logger/callbacks",
+                "c fit, configs/fast.yaml", "floor: train step on tensors", "loader alone", "cache build"):
+        assert row in printed, row
+    report = json.loads(out.read_text())
+    assert set(report) == {"config", "cache_build_s", "floor", "loader", "variants"}
+    assert set(report["floor"]) == {"fp32", "bf16", "bf16_channels_last"} and set(report["loader"]) == {"pil", "cache"}
+    assert list(report["variants"]) == list(VARIANTS)
+    for result in report["variants"].values():
+        assert len(result["runs"]) == 1 and result["runs"][0]["train_images"] == 4
+        assert set(result["summary"]) == {"train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb"}
+        assert set(result["summary"]["epoch_s"]) == {"median", "min", "max"}
+        assert result["ratio_to_a"] > 0 and result["fraction_of_floor"] > 0
+    assert report["config"]["fast_precision"] == "bf16-mixed"
+
+
+def test_bench_refuses_a_missing_data_dir_and_unknown_variants(in_tmp, capsys):
+    assert main(["--data-dir", str(in_tmp / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["--data-dir", str(in_tmp), "--variants", "a,z"]) == 2
+    assert "unknown" in capsys.readouterr().err
+
+
+def test_bench_is_a_module_and_a_make_target():
+    help_text = subprocess.run([sys.executable, "-m", "flowers.bench", "--help"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout
+    assert "--limit-batches" in help_text and "--variants" in help_text
+    assert "\nbench:" in (ROOT / "Makefile").read_text()

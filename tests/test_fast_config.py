@@ -1,0 +1,52 @@
+"""`fit` on the fast path (cache, batched augmentation, channels_last, bf16-mixed) trains end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowers.cli import cli_main
+from flowers.data import FlowerDataModule
+from flowers.data.cache import CACHE_FOLDER
+from flowers.module import WarmupCosineLR
+from tests.conftest import TINY_RUN, make_tree
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SHORT = ["--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"]
+
+
+def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
+    data = make_tree(in_tmp / "photos", {"a": 10, "b": 10}, size=80)
+    cli = cli_main(["fit", "--config", str(CONFIGS / "fast.yaml"), *TINY_RUN, *SHORT, f"--data.data_dir={data}",
+                    "--data.cache=true", "--model.channels_last=true", "--trainer.precision=bf16-mixed"])
+    trainer = cli.trainer
+    assert trainer.global_step == 3 and trainer.precision == "bf16-mixed"
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])
+    assert cli.model.net.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert len(list((data / CACHE_FOLDER).iterdir())) == 2  # the cache and its lock file
+    assert Path(trainer.checkpoint_callback.last_model_path).is_file()
+    # The next run finds the same cache.
+    again = FlowerDataModule(str(data), image_size=64, cache=True)
+    again.setup("fit")
+    assert again.train_set.cache.folder == cli.datamodule.train_set.cache.folder
+
+
+def test_best_recipe_warms_up_then_decays(in_tmp, tiny_synthetic):
+    cli = cli_main(["fit", "--config", str(CONFIGS / "best.yaml"), *TINY_RUN, "--trainer.precision=32-true",
+                    "--data.batch_size=4", f"--data.data_dir={tiny_synthetic}", "--trainer.max_steps=6",
+                    "--trainer.limit_val_batches=1"])
+    scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps == 6
+    assert scheduler.factor(0) == pytest.approx(0.1) and scheduler.factor(6) == pytest.approx(0.0)
+    assert max(scheduler.factor(s) for s in range(7)) == pytest.approx(1.0, abs=0.2)
+
+
+def test_compile_and_channels_last_keep_the_checkpoint_keys():
+    from flowers.module import FlowerClassifier
+
+    plain = FlowerClassifier(5).state_dict()
+    fast = FlowerClassifier(5, channels_last=True, compile=True).state_dict()
+    assert list(fast) == list(plain)
+    assert fast["net.features.0.weight"].is_contiguous(memory_format=torch.channels_last)
