@@ -14,7 +14,8 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 @pytest.mark.slow
 def test_quickstart_learns_the_synthetic_flowers(in_tmp):
-    # Measured on a 2-core AMD EPYC: 0.887 best val/acc after its 24 epochs (chance is 0.2). The
+    # Measured on a 2-core AMD EPYC: 0.887 best val/acc after its 24 epochs in 180 s, data generation
+    # included (chance is 0.2). The
     # promise is >= 0.85 within 3 minutes; the time is printed, not asserted (CI machines are noisy).
     start = time.monotonic()
     done = subprocess.run(
@@ -25,6 +26,6 @@ def test_quickstart_learns_the_synthetic_flowers(in_tmp):
     assert done.returncode == 0, done.stderr[-3000:]
     best = re.search(r"Best checkpoint: (\S+)", done.stdout + done.stderr).group(1)
     states = torch.load(best, map_location="cpu", weights_only=True)["callbacks"]
-    accuracy = float(next(v["best_model_score"] for k, v in states.items() if k.startswith("ModelCheckpoint")))
+    accuracy = float(next(v["best_model_score"] for v in states.values() if "best_model_score" in v))
     print(f"quickstart: best val/acc {accuracy:.4f} in {elapsed:.0f} s (data generation included)")
     assert accuracy >= 0.85
