@@ -9,11 +9,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from flowers.data.folders import Sample
-from flowers.data.transforms import load_rgb
+from flowers.data.transforms import DECODE_ERRORS, load_rgb
 from flowers.errors import DataError
-
-# What PIL raises for broken, truncated, foreign or oversized files (DecompressionBombError is none of the others).
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 class LabelledImages(Dataset):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 
-from flowers.data.transforms import open_image
+from flowers.data.transforms import DECODE_ERRORS, open_image
 from flowers.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def image_problem(path: str) -> str | None:
             image.load()
     except UnidentifiedImageError:
         return "not an image"
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:  # = datasets.DECODE_ERRORS
+    except DECODE_ERRORS as error:
         return str(error) or type(error).__name__
     return None
 

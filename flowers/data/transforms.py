@@ -15,6 +15,10 @@ SEED_MEAN = (0.5, 0.5, 0.5)
 SEED_STD = (0.5, 0.5, 0.5)
 
 
+# What PIL raises for broken, truncated, foreign or oversized files (DecompressionBombError is none of the others).
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
 @contextmanager
 def open_image(path: str) -> Iterator[Image.Image]:
     """``Image.open`` that refuses what would hang or exhaust the process instead of decoding it.
