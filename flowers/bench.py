@@ -12,7 +12,9 @@ In one process, on the same images, split, model, optimizer (Adam 2e-4), batch s
 
 Each variant is warmed up, then run ``--repeats`` times, alternating, one full epoch each. The table gives
 medians (min–max) and each ratio to ``a``; the compute floor (train steps on tensors already in
-memory) and the loaders alone say how close each variant gets to what the hardware allows.
+memory) and the loaders alone say how close each variant gets to what the hardware allows. The floor
+is measured in every repeat, right after the variants, and each run is compared with its own repeat's
+floor: a shared or throttled machine drifts by ±15 % over minutes, which would swamp a floor taken once.
 Peak memory is the GPU's on CUDA, else the main process's resident peak (loader workers not included).
 """
 
@@ -187,7 +189,7 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
 
 # -- floor and loaders --------------------------------------------------------------------------
 def compute_floor(args, device: torch.device, num_classes: int) -> dict:
-    """Train steps/s on one batch already on the device: what the model alone allows."""
+    """Train images/s on one batch already on the device: what the model alone allows."""
     steps = args.floor_steps
     results = {}
     for name, dtype, channels_last in (("fp32", None, False), ("bf16", torch.bfloat16, False),
@@ -247,10 +249,11 @@ def summarise(runs: list[dict]) -> dict:
     return out
 
 
-def _floor_for(variant: str, precision: str, floor: dict) -> float:
+def _floor_key(variant: str, precision: str) -> str:
+    # The floor of the variant's own settings: fp32, or c's bf16 with or without channels_last.
     if variant != "c" or not precision.startswith("bf16"):
-        return floor["fp32"]
-    return floor["bf16_channels_last"] if fast_settings().get("model", {}).get("channels_last") else floor["bf16"]
+        return "fp32"
+    return "bf16_channels_last" if fast_settings().get("model", {}).get("channels_last") else "bf16"
 
 
 def table(report: dict) -> str:
@@ -266,8 +269,10 @@ def table(report: dict) -> str:
                     f" {ep['median']:7.2f} ({ep['min']:.2f}–{ep['max']:.2f}) {s['peak_mb']['median']:8.0f}"
                     f" {ratio:>8} {time_ratio:>7} {result['fraction_of_floor']:7.1%}")
     floor, loader = report["floor"], report["loader"]
-    rows.append(f"{'floor: train step on tensors':34} fp32 {floor['fp32']:.1f}, bf16 {floor['bf16']:.1f}, "
-                f"bf16+channels_last {floor['bf16_channels_last']:.1f} img/s")
+    rows.append(f"{'floor: train step on tensors':34} " + ", ".join(
+        f"{name.replace('_channels_last', '+channels_last')} {floor[name]:.1f}"
+        f" ({min(runs):.1f}–{max(runs):.1f})" for name, runs in report["floor_runs"].items()) + " img/s")
+    rows.append(f"{'':34} (÷floor: median over repeats of each run ÷ the floor of its own repeat and settings)")
     rows.append(f"{'loader alone (train)':34} PIL {loader['pil']:.1f}, "
                 f"cache+batched augment {loader['cache']:.1f} img/s")
     rows.append(f"cache build (once): {report['cache_build_s']:.2f} s")
@@ -325,6 +330,7 @@ def bench(args: argparse.Namespace) -> dict:
     for variant in ("b", "b_cli", "c"):
         runners[variant] = lambda workdir, v=variant: run_fit(args, device, v, workdir)
     runs = {v: [] for v in args.variants}
+    floor_runs: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="flowers-bench-") as tmp:
         warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches})
         for variant in args.variants if args.warmup_batches > 0 else ():
@@ -338,9 +344,17 @@ def bench(args: argparse.Namespace) -> dict:
                 runs[variant].append(result)
                 print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
                       f"epoch {result['epoch_s']:.2f} s", file=sys.stderr, flush=True)
-    floor = compute_floor(args, device, probe.num_classes)
+            floor_now = compute_floor(args, device, probe.num_classes)
+            for name, value in floor_now.items():
+                floor_runs.setdefault(name, []).append(value)
+            fast_precision = args.fast_precision or fast_settings()["trainer"]["precision"]
+            for variant in args.variants:
+                key = _floor_key(variant, fast_precision if variant == "c" else "32")
+                runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[key]
+            print(f"# repeat {repeat + 1}/{args.repeats} floor: " + ", ".join(
+                f"{name} {value:.1f}" for name, value in floor_now.items()) + " img/s", file=sys.stderr, flush=True)
+    floor = {name: statistics.median(values) for name, values in floor_runs.items()}
     loader = loader_alone(args, device)
-    fast_precision = args.fast_precision or fast_settings()["trainer"]["precision"]
     report = {
         "config": {"device": str(device), "threads": torch.get_num_threads(), "workers": probe.num_workers,
                    "batch_size": args.batch_size, "image_size": args.image_size, "repeats": args.repeats,
@@ -350,6 +364,7 @@ def bench(args: argparse.Namespace) -> dict:
                    "lightning": L.__version__, "cpu_count": os.cpu_count()},
         "cache_build_s": cache_build_s,
         "floor": floor,
+        "floor_runs": floor_runs,
         "loader": loader,
         "variants": {},
     }
@@ -360,7 +375,7 @@ def bench(args: argparse.Namespace) -> dict:
         report["variants"][variant] = {
             "runs": results, "summary": summary,
             "ratio_to_a": ips / base if base else None,
-            "fraction_of_floor": ips / _floor_for(variant, fast_precision if variant == "c" else "32", floor),
+            "fraction_of_floor": statistics.median(r["fraction_of_floor"] for r in results),
         }
     return report
 

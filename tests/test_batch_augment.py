@@ -100,3 +100,18 @@ def test_eval_matches_eval_transform(size, crop):
     difference = (ours - seed).abs()
     # Two resizes instead of one: a few grey levels off on edges, nothing on average (range is 2).
     assert difference.mean() < 0.015 and difference.max() < 0.25, (difference.mean(), difference.max())
+
+
+def test_channels_last_output_has_the_same_values():
+    squares = torch.randint(0, 256, (6, 3, 40, 40), dtype=torch.uint8)
+    sizes = torch.tensor([[60, 80]] * 6)
+    generator = torch.Generator().manual_seed(3)
+    plain = train_batch(squares, sizes, crop_size=32, generator=generator)
+    generator.manual_seed(3)
+    nhwc = train_batch(squares, sizes, crop_size=32, generator=generator, channels_last=True)
+    assert nhwc.is_contiguous(memory_format=torch.channels_last) and not plain.is_contiguous(
+        memory_format=torch.channels_last)
+    torch.testing.assert_close(nhwc, plain, rtol=0, atol=1e-6)
+    evaluated = eval_batch(squares, crop_size=32, channels_last=True)
+    assert evaluated.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(evaluated, eval_batch(squares, crop_size=32), rtol=0, atol=1e-6)

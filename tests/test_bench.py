@@ -23,7 +23,8 @@ def test_bench_prints_every_row_and_writes_json(in_tmp, tiny_synthetic, capsys):
                 "c fit, configs/fast.yaml", "floor: train step on tensors", "loader alone", "cache build"):
         assert row in printed, row
     report = json.loads(out.read_text())
-    assert set(report) == {"config", "cache_build_s", "floor", "loader", "variants"}
+    assert set(report) == {"config", "cache_build_s", "floor", "floor_runs", "loader", "variants"}
+    assert all(len(runs) == 1 for runs in report["floor_runs"].values())  # one floor per repeat
     assert set(report["floor"]) == {"fp32", "bf16", "bf16_channels_last"} and set(report["loader"]) == {"pil", "cache"}
     assert list(report["variants"]) == list(VARIANTS)
     for result in report["variants"].values():

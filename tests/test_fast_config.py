@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,13 @@ def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
     assert trainer.global_step == 3 and trainer.precision == "bf16-mixed"
     assert torch.isfinite(trainer.callback_metrics["val/loss"])
     assert cli.model.net.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+    # Batches are built in the model's layout, and on CPU by the training process itself.
+    assert FlowerDataModule(str(data), cache=True).num_workers == 0
+    assert FlowerDataModule(str(data)).num_workers == min(os.cpu_count(), 32, 8)
+    squares, labels, sizes = next(iter(cli.datamodule.train_dataloader()))
+    trainer.training = True
+    images, _ = cli.datamodule.on_after_batch_transfer((squares, labels, sizes), 0)
+    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
     assert len(list((data / CACHE_FOLDER).iterdir())) == 2  # the cache and its lock file
     assert Path(trainer.checkpoint_callback.last_model_path).is_file()
     # The next run finds the same cache.

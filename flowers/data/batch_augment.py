@@ -3,7 +3,13 @@
 torchvision's RandomResizedCrop draws one box per call on one image; here one call draws a box per
 image of the batch with the same rule (vectorised, so it runs on the GPU without a per-image sync),
 then crops and resizes each image with torchvision's uint8 ``resized_crop`` (its fast path: about
-0.5 ms an image on one CPU core at 224 px), flips and normalises the whole batch at once.
+0.2 ms an image at 224 px on this project's 2-core CPU), flips and normalises the whole batch at once.
+
+On CPU every millisecond here is taken from the training step, so the batch is built with as few
+full-size passes as possible: the layout change to channels_last happens on uint8 (a quarter of the
+bytes of float), and the normalisation is one conversion plus two in-place passes. Measured on 32
+images of 224 px, 2 threads: 15 ms, against 37 ms for crop, float normalise and then a float
+channels_last copy in the model's forward.
 """
 
 from __future__ import annotations
@@ -59,19 +65,25 @@ def sample_crop_boxes(
     return torch.stack([top, left, h, w], dim=1)
 
 
-def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    # ToTensor's /255 and Normalize folded into one multiply-add.
-    mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
-    std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
-    return (images.float() - mean_t * 255) / (std_t * 255)
+def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
+               channels_last: bool) -> torch.Tensor:
+    # ToTensor's /255 and Normalize folded into x * scale + shift, computed in place (a fresh float
+    # tensor per pass costs more than the arithmetic on CPU). float32, not bf16: CPUs without native
+    # bf16 elementwise kernels are 3x slower at it, and autocast casts the first conv's input anyway.
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    mean_t, std_t = (torch.tensor(v, device=images.device).view(1, -1, 1, 1) for v in (mean, std))
+    scale, shift = 1 / (255 * std_t), -mean_t / std_t
+    return images.contiguous(memory_format=layout).to(torch.float32).mul_(scale).add_(shift)
 
 
 def train_batch(
     squares: torch.Tensor, sizes: torch.Tensor, *, crop_size: int, scale: Sequence[float] = (0.08, 1.0),
     ratio: Sequence[float] = SEED_RATIO, hflip_prob: float = 0.5,
     mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD, generator: torch.Generator | None = None,
+    channels_last: bool = False,
 ) -> torch.Tensor:
-    """``train_transform`` on ``N × 3 × S × S`` uint8 squares of originals of ``sizes``: float ``N × 3 × c × c``."""
+    """``train_transform`` on ``N × 3 × S × S`` uint8 squares of originals of ``sizes``: float ``N × 3 × c × c``,
+    in channels_last memory order if asked (for a channels_last model, which would otherwise copy it)."""
     side = squares.shape[-1]
     boxes = sample_crop_boxes(sizes, scale=scale, ratio=ratio, generator=generator)
     # Map each box from the original's pixels onto the square it was squashed into.
@@ -84,14 +96,15 @@ def train_batch(
     ])
     if hflip_prob > 0:
         flip = torch.rand(len(crops), generator=generator, device=crops.device) < hflip_prob
-        crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
-    return _normalise(crops, mean, std)
+        crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
+    return _normalise(crops, mean, std, channels_last=channels_last)
 
 
 def eval_batch(
     squares: torch.Tensor, *, crop_size: int, mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD,
+    channels_last: bool = False,
 ) -> torch.Tensor:
     """``eval_transform`` (squash to ``crop_size²``) on the cached squares, the whole batch in one resize."""
     if squares.shape[-1] != crop_size or squares.shape[-2] != crop_size:
         squares = F.resize(squares, [crop_size, crop_size], antialias=True)
-    return _normalise(squares, mean, std)
+    return _normalise(squares, mean, std, channels_last=channels_last)
