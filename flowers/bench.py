@@ -16,6 +16,10 @@ memory) and the loaders alone say how close each variant gets to what the hardwa
 is measured in every repeat, right after the variants, and each run is compared with its own repeat's
 floor: a shared or throttled machine drifts by ±15 % over minutes, which would swamp a floor taken once.
 Peak memory is the GPU's on CUDA, else the main process's resident peak (loader workers not included).
+
+``--epochs N`` trains each run N epochs (validating after each, as ``fit`` does) and adds the val
+accuracy after the last one; ``--epochs 10 --repeats 2`` is the accuracy check of fast vs plain over two
+seeds (repeat r seeds torch with r, so a and c start from the same weights). Times are then per epoch.
 """
 
 from __future__ import annotations
@@ -99,37 +103,44 @@ def run_plain(args, device: torch.device) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR)
     loss_fn = nn.CrossEntropyLoss()
     _reset_peak(device)
+    train_loader, val_loader = datamodule.train_dataloader(), datamodule.val_dataloader()
     start = time.perf_counter()
-    model.train()
-    seen = 0
-    running_loss = 0.0
-    for images, labels in _limited(datamodule.train_dataloader(), args.limit_batches):
-        images, labels = images.to(device), labels.to(device)
-        optimizer.zero_grad()
-        loss = loss_fn(model(images), labels)
-        loss.backward()
-        optimizer.step()
-        running_loss += loss.item()  # the seed prints the running loss: one sync per step, as fit's logging
-        seen += len(labels)
-    _sync(device)
-    train_end = time.perf_counter()
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for images, labels in _limited(datamodule.val_dataloader(), args.limit_batches):
-            correct += (model(images.to(device)).argmax(1) == labels.to(device)).sum().item()
-    _sync(device)
-    end = time.perf_counter()
-    return {"train_images": seen, "train_s": train_end - start, "val_s": end - train_end, "epoch_s": end - start,
-            "peak_mb": _peak_mb(device)}
+    seen, val_s = 0, 0.0
+    for _ in range(args.epochs):
+        model.train()
+        running_loss = 0.0
+        for images, labels in _limited(train_loader, args.limit_batches):
+            images, labels = images.to(device), labels.to(device)
+            optimizer.zero_grad()
+            loss = loss_fn(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            running_loss += loss.item()  # the seed prints the running loss: one sync per step, as fit's logging
+            seen += len(labels)
+        _sync(device)
+        val_start = time.perf_counter()
+        model.eval()
+        correct = total = 0
+        with torch.no_grad():
+            for images, labels in _limited(val_loader, args.limit_batches):
+                correct += (model(images.to(device)).argmax(1) == labels.to(device)).sum().item()
+                total += len(labels)
+        _sync(device)
+        val_s += time.perf_counter() - val_start
+    total_s = time.perf_counter() - start
+    return {"train_images": seen, "train_s": total_s - val_s, "val_s": val_s / args.epochs,
+            "epoch_s": total_s / args.epochs, "peak_mb": _peak_mb(device), "val_acc": correct / max(1, total),
+            "workers": datamodule.num_workers}
 
 
 class _EpochTimer(L.Callback):
     # The same span as run_plain times, from before the train loader's first iter() (which Lightning
-    # calls, prefetching a batch, before on_train_epoch_start) to the end of validation.
+    # calls, prefetching a batch, before on_train_epoch_start) to the end of the last validation.
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.seen = 0
+        self.val_s = 0.0
+        self.epochs = 0
         self.times: dict[str, float] = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -142,17 +153,20 @@ class _EpochTimer(L.Callback):
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             _sync(self.device)
-            self.times["train_end"] = time.perf_counter()
+            self.times["val_start"] = time.perf_counter()
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             _sync(self.device)
             self.times["end"] = time.perf_counter()
+            self.val_s += self.times["end"] - self.times["val_start"]
+            self.epochs += 1
 
-    def result(self) -> dict:
-        t = self.times
-        return {"train_images": self.seen, "train_s": t["train_end"] - t["start"], "val_s": t["end"] - t["train_end"],
-                "epoch_s": t["end"] - t["start"], "peak_mb": _peak_mb(self.device)}
+    def result(self, trainer) -> dict:
+        total_s = self.times["end"] - self.times["start"]
+        return {"train_images": self.seen, "train_s": total_s - self.val_s, "val_s": self.val_s / self.epochs,
+                "epoch_s": total_s / self.epochs, "peak_mb": _peak_mb(self.device),
+                "val_acc": float(trainer.callback_metrics["val/acc"])}
 
 
 def fast_settings() -> dict:
@@ -162,7 +176,7 @@ def fast_settings() -> dict:
 def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
     timer = _EpochTimer(device)
     trainer_kwargs = dict(
-        accelerator=device.type, devices=1, max_epochs=1, precision="32-true", logger=False,
+        accelerator=device.type, devices=1, max_epochs=args.epochs, precision="32-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_train_batches=args.limit_batches, limit_val_batches=args.limit_batches,
         callbacks=[timer], default_root_dir=str(workdir),
@@ -184,7 +198,7 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
     model = FlowerClassifier(datamodule.num_classes, datamodule.class_names, **model_kwargs)
     trainer = L.Trainer(**{k: v for k, v in trainer_kwargs.items() if v is not None})
     trainer.fit(model, datamodule=datamodule)
-    return timer.result()
+    return {**timer.result(trainer), "workers": datamodule.num_workers}
 
 
 # -- floor and loaders --------------------------------------------------------------------------
@@ -243,7 +257,7 @@ def _train_augment(datamodule: FlowerDataModule, batch):
 # -- the report -----------------------------------------------------------------------------------
 def summarise(runs: list[dict]) -> dict:
     out = {}
-    for key in ("train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb"):
+    for key in ("train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb", "val_acc"):
         values = [r[key] for r in runs]
         out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return out
@@ -258,7 +272,7 @@ def _floor_key(variant: str, precision: str) -> str:
 
 def table(report: dict) -> str:
     rows = [f"{'variant':34} {'train img/s':>22} {'epoch s':>20} {'peak MB':>8} {'img/s÷a':>8} {'time÷a':>7} "
-            f"{'÷floor':>7}"]
+            f"{'÷floor':>7} {'val acc mean (min–max)':>24}"]
     base = report["variants"].get("a")
     for variant, result in report["variants"].items():
         s = result["summary"]
@@ -267,7 +281,9 @@ def table(report: dict) -> str:
         time_ratio = f"{ep['median'] / base['summary']['epoch_s']['median']:.3f}" if base else "-"
         rows.append(f"{LABELS[variant]:34} {ips['median']:8.1f} ({ips['min']:.1f}–{ips['max']:.1f})"
                     f" {ep['median']:7.2f} ({ep['min']:.2f}–{ep['max']:.2f}) {s['peak_mb']['median']:8.0f}"
-                    f" {ratio:>8} {time_ratio:>7} {result['fraction_of_floor']:7.1%}")
+                    f" {ratio:>8} {time_ratio:>7} {result['fraction_of_floor']:7.1%}"
+                    f" {result['val_acc_mean']:10.3f} ({s['val_acc']['min']:.3f}–{s['val_acc']['max']:.3f})"
+                    f"  [{result['runs'][0]['workers']} workers]")
     floor, loader = report["floor"], report["loader"]
     rows.append(f"{'floor: train step on tensors':34} " + ", ".join(
         f"{name.replace('_channels_last', '+channels_last')} {floor[name]:.1f}"
@@ -277,9 +293,9 @@ def table(report: dict) -> str:
                 f"cache+batched augment {loader['cache']:.1f} img/s")
     rows.append(f"cache build (once): {report['cache_build_s']:.2f} s")
     c = report["config"]
-    rows.append(f"{c['device']}, {c['threads']} threads, {c['workers']} loader workers, batch {c['batch_size']}, "
-                f"{c['image_size']} px, {c['train_images']} train / {c['val_images']} val images, "
-                f"{c['repeats']} repeats")
+    rows.append(f"{c['device']}, {c['threads']} threads, batch {c['batch_size']}, {c['image_size']} px, "
+                f"{c['train_images']} train / {c['val_images']} val images, {c['repeats']} repeats of "
+                f"{c['epochs']} epoch(s); val acc after the last epoch, repeat r seeded with r")
     return "\n".join(rows)
 
 
@@ -290,6 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--synthetic", action="store_true", help="use the embedded synthetic set instead")
     parser.add_argument("--synthetic-dir", type=Path, default=Path("data/synthetic"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=1, help="epochs per run; the val accuracy is the last one's")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=None, help="default: the seed's min(cpu, batch, 8)")
@@ -306,8 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if unknown := set(args.variants) - set(VARIANTS):
         raise ConfigError(f"--variants {sorted(unknown)} unknown; choose from {', '.join(VARIANTS)}.")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}.")
+    if args.repeats < 1 or args.epochs < 1:
+        raise ConfigError(f"--repeats and --epochs must be at least 1, got {args.repeats} and {args.epochs}.")
     if args.synthetic:
         from flowers.data import synthetic
 
@@ -332,7 +349,7 @@ def bench(args: argparse.Namespace) -> dict:
     runs = {v: [] for v in args.variants}
     floor_runs: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="flowers-bench-") as tmp:
-        warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches})
+        warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches, "epochs": 1})
         for variant in args.variants if args.warmup_batches > 0 else ():
             # Warm-up: allocator, oneDNN kernel choice, page cache, Lightning's first imports.
             (run_plain(warm, device) if variant == "a" else run_fit(warm, device, variant, Path(tmp)))
@@ -343,7 +360,7 @@ def bench(args: argparse.Namespace) -> dict:
                 result["train_images_per_s"] = result["train_images"] / result["train_s"]
                 runs[variant].append(result)
                 print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
-                      f"epoch {result['epoch_s']:.2f} s", file=sys.stderr, flush=True)
+                      f"epoch {result['epoch_s']:.2f} s, val acc {result['val_acc']:.3f}", file=sys.stderr, flush=True)
             floor_now = compute_floor(args, device, probe.num_classes)
             for name, value in floor_now.items():
                 floor_runs.setdefault(name, []).append(value)
@@ -358,7 +375,7 @@ def bench(args: argparse.Namespace) -> dict:
     report = {
         "config": {"device": str(device), "threads": torch.get_num_threads(), "workers": probe.num_workers,
                    "batch_size": args.batch_size, "image_size": args.image_size, "repeats": args.repeats,
-                   "limit_batches": args.limit_batches, "data_dir": str(args.data_dir),
+                   "limit_batches": args.limit_batches, "epochs": args.epochs, "data_dir": str(args.data_dir),
                    "train_images": len(probe.train_set), "val_images": len(probe.val_set),
                    "fast_precision": fast_precision, "compile": args.compile, "torch": torch.__version__,
                    "lightning": L.__version__, "cpu_count": os.cpu_count()},
@@ -376,6 +393,7 @@ def bench(args: argparse.Namespace) -> dict:
             "runs": results, "summary": summary,
             "ratio_to_a": ips / base if base else None,
             "fraction_of_floor": statistics.median(r["fraction_of_floor"] for r in results),
+            "val_acc_mean": statistics.mean(r["val_acc"] for r in results),
         }
     return report
 

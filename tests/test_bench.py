@@ -29,10 +29,25 @@ def test_bench_prints_every_row_and_writes_json(in_tmp, tiny_synthetic, capsys):
     assert list(report["variants"]) == list(VARIANTS)
     for result in report["variants"].values():
         assert len(result["runs"]) == 1 and result["runs"][0]["train_images"] == 4
-        assert set(result["summary"]) == {"train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb"}
+        assert set(result["summary"]) == {"train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb", "val_acc"}
+        assert 0 <= result["val_acc_mean"] <= 1
         assert set(result["summary"]["epoch_s"]) == {"median", "min", "max"}
         assert result["ratio_to_a"] > 0 and result["fraction_of_floor"] > 0
     assert report["config"]["fast_precision"] == "bf16-mixed"
+
+
+def test_bench_trains_several_epochs_and_reports_the_last_accuracy(in_tmp, tiny_synthetic, capsys):
+    out = in_tmp / "bench.json"
+    assert main(["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
+                 "--limit-batches", "2", "--repeats", "2", "--epochs", "2", "--floor-steps", "1", "--variants", "a,c",
+                 "--warmup-batches", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["epochs"] == 2
+    for result in report["variants"].values():
+        assert [run["train_images"] for run in result["runs"]] == [16, 16]  # 2 epochs of 2 batches of 4
+        accuracies = [run["val_acc"] for run in result["runs"]]
+        assert result["val_acc_mean"] == sum(accuracies) / 2
+    assert report["variants"]["c"]["runs"][0]["workers"] == 0  # the cache path on CPU loads in-process
 
 
 def test_bench_refuses_a_missing_data_dir_and_unknown_variants(in_tmp, capsys):
