@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -48,6 +49,7 @@ class Probe(L.Callback):
             "eval_batch_sizes": self.eval_batch_sizes,
             "eval_sampler": type(sampler).__name__,
             "eval_shard": [int(i) for i in sampler] if sampler is not None else None,
+            "split": _split(trainer.datamodule),
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"{stage}_rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
@@ -58,3 +60,31 @@ class Probe(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.state.fn == "validate":
             self._write(trainer, "validate")
+
+
+def _split(datamodule) -> dict[str, list[str]] | None:
+    # The files of each side of the train/val split, as this rank's datamodule made it.
+    sets = {"train": getattr(datamodule, "train_set", None), "val": getattr(datamodule, "val_set", None)}
+    if not all(hasattr(dataset, "samples") for dataset in sets.values()):
+        return None
+    return {name: [str(sample.path) for sample in dataset.samples] for name, dataset in sets.items()}
+
+
+class Fault(L.Callback):
+    """Rank ``rank`` dies (``action="exit"``: ``os._exit(1)``, no cleanup, like a crash or the OOM killer)
+    or hangs (``"hang"``: sleeps ``hang_s`` without taking part in collectives) as training batch ``batch``
+    of epoch ``epoch`` starts. Just before, it writes the wall-clock time to ``marker``, so a test can time
+    how long the other ranks take to give up."""
+
+    def __init__(self, marker: str, action: str = "exit", rank: int = 1, epoch: int = 0, batch: int = 1,
+                 hang_s: float = 600.0) -> None:
+        self.marker, self.action, self.rank, self.epoch, self.batch = Path(marker), action, rank, epoch, batch
+        self.hang_s = hang_s
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if (trainer.global_rank, trainer.current_epoch, batch_idx) != (self.rank, self.epoch, self.batch):
+            return
+        self.marker.write_text(f"{time.time()}\n{os.getpid()}\n")
+        if self.action == "exit":
+            os._exit(1)
+        time.sleep(self.hang_s)

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from flowers.cli import cli_main
+from flowers.data import FlowerDataModule
 from tests.conftest import make_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +124,12 @@ def test_ddp_two_cpu_processes_write_once_reshuffle_and_sync(tmp_path, tiny_synt
     for epoch in (0, 1):
         # Disjoint shards, but for the one repeat that pads the odd training set (55 images) to 2 x 28.
         assert len(set(ranks[0]["train_orders"][epoch]) & set(ranks[1]["train_orders"][epoch])) <= 1
+    # Every rank split the files exactly as a single process does (the split never depends on the rank).
+    single = FlowerDataModule(str(tiny_synthetic))
+    single.setup("fit")
+    expected = {name: [str(s.path) for s in dataset.samples]
+                for name, dataset in (("train", single.train_set), ("val", single.val_set))}
+    assert ranks[0]["split"] == ranks[1]["split"] == expected
     # Logged metrics are the same on every rank: synchronised, not rank-local.
     for key in ("train/loss_epoch", "train/acc", "val/loss", "val/acc", "val/acc_macro"):
         assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key], abs=1e-6), key
