@@ -348,6 +348,7 @@ def bench(args: argparse.Namespace) -> dict:
         runners[variant] = lambda workdir, v=variant: run_fit(args, device, v, workdir)
     runs = {v: [] for v in args.variants}
     floor_runs: dict[str, list[float]] = {}
+    fast_precision = args.fast_precision or fast_settings()["trainer"]["precision"]
     with tempfile.TemporaryDirectory(prefix="flowers-bench-") as tmp:
         warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches, "epochs": 1})
         for variant in args.variants if args.warmup_batches > 0 else ():
@@ -364,7 +365,6 @@ def bench(args: argparse.Namespace) -> dict:
             floor_now = compute_floor(args, device, probe.num_classes)
             for name, value in floor_now.items():
                 floor_runs.setdefault(name, []).append(value)
-            fast_precision = args.fast_precision or fast_settings()["trainer"]["precision"]
             for variant in args.variants:
                 key = _floor_key(variant, fast_precision if variant == "c" else "32")
                 runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[key]
