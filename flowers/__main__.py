@@ -4,14 +4,15 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["export"]:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["export"]:
         # export is plain argparse, not a LightningCLI subcommand: it builds no Trainer and needs no data.
         from flowers.export import main as export_main
 
-        return export_main(argv[1:])
+        return export_main(words[1:])
     from flowers.cli import main as cli
 
+    # None lets LightningCLI read sys.argv itself; given args beside a command line, it warns on every run.
     return cli(argv)
 
 

@@ -30,7 +30,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from flowers.errors import ConfigError
+from flowers.errors import CheckpointWriteError, ConfigError
 
 HEAD_KEY = "net.classifier.6.weight"  # FlowerClassifier's last Linear: its rows are the classes
 
@@ -41,16 +41,65 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Same folder: os.replace is then a rename within one filesystem, atomic on POSIX.
     handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    file = _WriteErrorRecorder(os.fdopen(handle, "wb"))
     try:
-        with os.fdopen(handle, "wb") as file:
+        with file:
             torch.save(obj, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, target)
-    except BaseException:
+    except BaseException as error:
         Path(temp).unlink(missing_ok=True)
+        if file.error is not None or isinstance(error, OSError):
+            cause = file.error or error
+            raise CheckpointWriteError(
+                f"could not write the checkpoint {target} ({cause.strerror or cause}). "
+                f"{_kept(target)} Free space on the disk that holds {target.parent}, then resume with --ckpt_path last."
+            ) from None
         raise
     _fsync_folder(target.parent)
+
+
+class _WriteErrorRecorder:
+    """Keeps the ``OSError`` of a failed write: torch.save reports a full disk only as "unexpected pos"."""
+
+    def __init__(self, file):
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._file.close()
+        except OSError as error:
+            if exc[0] is None:
+                self.error = self.error or error
+                raise
+
+
+def _kept(target: Path) -> str:
+    if target.is_file():
+        return f"The previous {target.name} is untouched."
+    return f"No earlier {target.name} existed; nothing was lost."
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -17,6 +17,10 @@ class ConfigError(FlowersError):
     pass
 
 
+class CheckpointWriteError(FlowersError):
+    """A checkpoint could not be written (disk full, quota, file size limit); the old one is kept."""
+
+
 # What gloo and NCCL say when a peer process is gone or stopped answering.
 PEER_FAILURE_SIGNS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
                       "broken pipe", "nccl communicator was aborted", "socket closed")

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import resource
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,8 +24,9 @@ import torch
 import flowers.checkpointing
 from flowers.checkpointing import atomic_torch_save
 from flowers.cli import cli_main
+from flowers.errors import CheckpointWriteError
 from tests.conftest import TINY_RUN
-from tests.test_ddp import kill, start
+from tests.test_ddp import child_env, kill, start
 
 REAL_SAVE = torch.save
 BATCHES = ["--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1"]
@@ -112,7 +117,8 @@ def test_an_exception_inside_the_write_keeps_the_previous_file_and_cleans_up(tmp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(flowers.checkpointing.torch, "save", broken_save)
-    with pytest.raises(OSError, match="No space left"):
+    kept = r"last.ckpt \(No space left on device\)\. The previous last.ckpt is untouched"
+    with pytest.raises(CheckpointWriteError, match=kept):
         atomic_torch_save({"step": torch.tensor(2)}, target)
     assert target.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary file left behind
@@ -129,3 +135,29 @@ def test_the_trainer_writes_checkpoints_through_the_atomic_writer(in_tmp, tiny_s
     names = sorted(Path(p).name for p in written)
     assert "last.ckpt" in names and any(n.startswith("best-") for n in names)
     assert Path(cli.trainer.checkpoint_callback.last_model_path).is_file()
+
+
+def _file_size_limit(limit: int):
+    def apply() -> None:
+        # The kernel then fails every write past `limit` bytes (EFBIG), as a full disk fails them (ENOSPC).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_checkpoint_write_that_the_disk_refuses_stops_with_one_paragraph_and_keeps_last(in_tmp, tiny_synthetic):
+    args = [sys.executable, "-m", "flowers", "fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", *BATCHES]
+    subprocess.run(args, check=True, env=child_env(), capture_output=True)
+    before = last_checkpoint(in_tmp).read_bytes()
+
+    # The resumed epoch's checkpoint (tens of MB) cannot be written; the small logs and configs can.
+    resumed = subprocess.run([*args, "--trainer.max_epochs=2", "--ckpt_path=last"], env=child_env(), text=True,
+                             capture_output=True, preexec_fn=_file_size_limit(4 * 2**20), timeout=300)
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr
+    assert re.search(r"could not write the checkpoint \S+\.ckpt \(File too large\)\. The previous \S+ is untouched",
+                     resumed.stderr), resumed.stderr[-3000:]
+    assert "--ckpt_path last" in resumed.stderr
+    assert last_checkpoint(in_tmp).read_bytes() == before
+    assert not list(in_tmp.rglob("*.tmp"))  # no half-written temporary file left behind
+    assert torch.load(last_checkpoint(in_tmp), map_location="cpu", weights_only=True)["epoch"] == 0

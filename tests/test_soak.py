@@ -9,6 +9,7 @@ a ``last.ckpt`` that loads into a FlowerClassifier, in a run folder of its own. 
 from __future__ import annotations
 
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -63,3 +64,4 @@ def test_thirty_short_fits_over_random_config_combinations(tmp_path, tiny_synthe
         model = FlowerClassifier.load_from_checkpoint(last, map_location="cpu")
         assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2
         assert all(torch.isfinite(p).all() for p in model.parameters())
+        shutil.rmtree(folder)  # 30 runs' checkpoints would hold several GB of disk until the session ends
