@@ -19,7 +19,8 @@ Peak memory is the GPU's on CUDA, else the main process's resident peak (loader 
 
 ``--epochs N`` trains each run N epochs (validating after each, as ``fit`` does) and adds the val
 accuracy after the last one; ``--epochs 10 --repeats 2`` is the accuracy check of fast vs plain over two
-seeds (repeat r seeds torch with r, so a and c start from the same weights). Times are then per epoch.
+seeds (repeat r seeds torch with ``--seed`` + r, so a and c start from the same weights; another
+``--seed`` adds more seeds). Times are then per epoch.
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ def table(report: dict) -> str:
     c = report["config"]
     rows.append(f"{c['device']}, {c['threads']} threads, batch {c['batch_size']}, {c['image_size']} px, "
                 f"{c['train_images']} train / {c['val_images']} val images, {c['repeats']} repeats of "
-                f"{c['epochs']} epoch(s); val acc after the last epoch, repeat r seeded with r")
+                f"{c['epochs']} epoch(s); val acc after the last epoch, repeat r seeded with {c['seed']} + r")
     return "\n".join(rows)
 
 
@@ -307,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--synthetic-dir", type=Path, default=Path("data/synthetic"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1, help="epochs per run; the val accuracy is the last one's")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="repeat r seeds torch with SEED + r (more seeds: run again with another SEED)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=None, help="default: the seed's min(cpu, batch, 8)")
@@ -356,7 +359,7 @@ def bench(args: argparse.Namespace) -> dict:
             (run_plain(warm, device) if variant == "a" else run_fit(warm, device, variant, Path(tmp)))
         for repeat in range(args.repeats):
             for variant in args.variants:
-                torch.manual_seed(repeat)
+                torch.manual_seed(args.seed + repeat)
                 result = runners[variant](Path(tmp) / f"{variant}-{repeat}")
                 result["train_images_per_s"] = result["train_images"] / result["train_s"]
                 runs[variant].append(result)
@@ -375,7 +378,8 @@ def bench(args: argparse.Namespace) -> dict:
     report = {
         "config": {"device": str(device), "threads": torch.get_num_threads(), "workers": probe.num_workers,
                    "batch_size": args.batch_size, "image_size": args.image_size, "repeats": args.repeats,
-                   "limit_batches": args.limit_batches, "epochs": args.epochs, "data_dir": str(args.data_dir),
+                   "limit_batches": args.limit_batches, "epochs": args.epochs, "seed": args.seed,
+                   "data_dir": str(args.data_dir),
                    "train_images": len(probe.train_set), "val_images": len(probe.val_set),
                    "fast_precision": fast_precision, "compile": args.compile, "torch": torch.__version__,
                    "lightning": L.__version__, "cpu_count": os.cpu_count()},

@@ -183,5 +183,5 @@ class TensorBoardPictures(L.Callback):
 def _data_params(datamodule) -> dict:
     # FlowerDataModule keeps no hparams (its class_names would clash with the model's), so pick the settings
     # that change results by hand.
-    keys = ("data_dir", "image_size", "batch_size", "val_split", "split_seed")
+    keys = ("data_dir", "image_size", "eval_image_size", "batch_size", "val_split", "split_seed")
     return {k: str(v) if isinstance(v, Path) else v for k in keys if (v := getattr(datamodule, k, None)) is not None}

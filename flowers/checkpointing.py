@@ -221,7 +221,8 @@ class RunFolderConfig(SaveConfigCallback):
     A new run whose folder already holds a ``config.yaml`` or checkpoints (an explicit
     ``--trainer.logger.init_args.version`` or ``--checkpoint.dirpath``) stops before writing anything.
     A resume into the folder of its own checkpoint keeps ``config.yaml`` and writes the resumed command's
-    config as ``config-resume-N.yaml`` beside it.
+    config as ``config-resume-N.yaml`` beside it; validate/test/predict in an occupied folder write
+    ``config-<stage>-N.yaml``.
     """
 
     @override
@@ -231,6 +232,10 @@ class RunFolderConfig(SaveConfigCallback):
         log_dir = Path(trainer.log_dir)
         if self._resumes_into(log_dir):
             self.config_filename = _next_free(log_dir, "config-resume-{}.yaml")
+        elif stage != "fit" and (log_dir / self.config_filename).exists():
+            # validate/test/predict write no checkpoints; with --trainer.logger=false they all share one folder.
+            name = getattr(stage, "value", stage)  # Lightning passes a TrainerFn, a str enum
+            self.config_filename = _next_free(log_dir, f"config-{name}-{{}}.yaml")
         else:
             problem = _occupied(log_dir, trainer) if trainer.is_global_zero else None
             if problem := trainer.strategy.broadcast(problem):

@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=sorted(FILENAMES), default="state_dict")
     p.add_argument("--output", help="folder for the exported files (default: <checkpoint folder>/export)")
     p.add_argument("--image_size", type=int,
-                   help="side of the example input for tracing (default: the run's data.image_size, else 224)")
+                   help="side of the example input for tracing (default: the size the run evaluated at, "
+                        "data.eval_image_size or data.image_size; else 224)")
     return p
 
 

@@ -29,7 +29,7 @@ from flowers.data.transforms import eval_transform
 from flowers.module import FlowerClassifier
 
 # The run's data settings worth reusing to rebuild its validation split (not loaders or predict inputs).
-DATA_KEYS = ("data_dir", "val_split", "split_seed", "image_size", "eval_batch_size", "batch_size",
+DATA_KEYS = ("data_dir", "val_split", "split_seed", "image_size", "eval_image_size", "eval_batch_size", "batch_size",
              "synthetic_dir", "synthetic_per_class", "synthetic_size")
 
 
@@ -59,7 +59,9 @@ def run_config(ckpt: str | Path) -> dict:
 
 
 def image_size_of(ckpt: str | Path, default: int = 224) -> int:
-    return int(run_config(ckpt).get("data", {}).get("image_size") or default)
+    """The side the run evaluated at: its ``data.eval_image_size``, else ``data.image_size``."""
+    data = run_config(ckpt).get("data", {})
+    return int(data.get("eval_image_size") or data.get("image_size") or default)
 
 
 def load(ckpt: str | Path, map_location: str = "cpu") -> tuple[FlowerClassifier, list[str], dict]:

@@ -58,3 +58,31 @@ def test_compile_and_channels_last_keep_the_checkpoint_keys():
     fast = FlowerClassifier(5, channels_last=True, compile=True).state_dict()
     assert list(fast) == list(plain)
     assert fast["net.features.0.weight"].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_eval_image_size_sets_the_validation_squares_only(in_tmp, cache):
+    from flowers.data.cache import cache_side
+    from flowers.errors import ConfigError
+
+    data = make_tree(in_tmp / "photos", {"a": 6, "b": 6}, size=120)
+    module = FlowerDataModule(str(data), image_size=64, eval_image_size=80, batch_size=4, num_workers=0, cache=cache)
+    module.setup("fit")
+    train, val = next(iter(module.train_dataloader())), next(iter(module.val_dataloader()))
+    module.trainer = type("Trainer", (), {"training": True, "lightning_module": None})()
+    assert module.on_after_batch_transfer(train, 0)[0].shape[-2:] == (64, 64)
+    module.trainer.training = False
+    assert module.on_after_batch_transfer(val, 0)[0].shape[-2:] == (80, 80)
+    if cache:  # one cache, large enough for the bigger of the two
+        assert module.train_set.cache.pixels.shape[-1] == cache_side(80)
+    assert FlowerDataModule(str(data), image_size=64).eval_image_size == 64
+    with pytest.raises(ConfigError, match="data.eval_image_size=32 is too small"):
+        FlowerDataModule(str(data), image_size=64, eval_image_size=32)
+
+
+def test_the_cache_never_upsamples_small_photos(in_tmp):
+    # 60-px photos for 64-px crops: cached as they are, not at 73 px; the crops upsample once, as PIL's do.
+    data = make_tree(in_tmp / "photos", {"a": 4, "b": 4}, size=60)
+    module = FlowerDataModule(str(data), image_size=64, batch_size=4, num_workers=0, cache=True)
+    module.setup("fit")
+    assert module.train_set.cache.pixels.shape[-2:] == (60, 60)

@@ -203,3 +203,13 @@ def test_a_new_run_goes_to_the_next_version(previous_run, in_tmp, tiny_synthetic
     cli = cli_main(["fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", *SHORT])
     assert cli.trainer.log_dir == os.path.join("runs", "flowers", "version_1")
     assert (in_tmp / cli.trainer.log_dir / "config.yaml").is_file()
+
+
+def test_validate_without_a_logger_twice_keeps_both_configs(in_tmp, tiny_synthetic):
+    # With --trainer.logger=false every validate shares the working folder; none may refuse or overwrite.
+    run = [*TINY_RUN, f"--data.data_dir={tiny_synthetic}", "--trainer.limit_val_batches=1"]
+    cli_main(["fit", *run, "--trainer.limit_train_batches=1"])
+    for _ in range(3):
+        cli_main(["validate", *run, "--trainer.logger=false", "--ckpt_path=last"])
+    assert sorted(p.name for p in in_tmp.glob("config*.yaml")) == [
+        "config-validate-1.yaml", "config-validate-2.yaml", "config.yaml"]

@@ -1,7 +1,8 @@
 """A decoded uint8 copy of the training images, so an epoch reads memory instead of decoding JPEGs.
 
 Format: ``pixels.npy``, an ``N × 3 × S × S`` uint8 array (memory-mapped when read), every image
-squash-resized to ``S × S`` with ``S ≈ 1.14 × image_size`` (256 for 224), plus ``sizes.npy``, each
+squash-resized to ``S × S`` with ``S ≈ 1.14 × image_size`` (256 for 224; never more than the largest
+short side among the photos, so small photos are not upsampled twice), plus ``sizes.npy``, each
 original ``(height, width)``. Squashing loses no part of the photo and keeps one fixed shape, so batches
 collate without padding; the augmentation draws its crop boxes in the original's coordinates and maps
 them onto the square (flowers.data.batch_augment), so crop areas and aspect ratios stay the seed's, and
@@ -43,6 +44,22 @@ CACHE_FOLDER = ".cache"
 def cache_side(image_size: int) -> int:
     # The usual resize-256-crop-224 margin, so a crop of the whole square is still downsampled.
     return round(image_size * 8 / 7)
+
+
+def fitting_side(paths: Sequence[str], wanted: int) -> int:
+    """``wanted``, or the largest short side among the images when that is smaller.
+
+    Upsampling into the cache adds nothing but a second resampling: photos stored at 227 px, cached at
+    256 for 224-px crops, came out blurrier than the PIL path's crops of the originals. Only headers are read.
+    """
+    largest = 0
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                largest = max(largest, min(image.size))
+        except OSError:
+            continue  # unreadable: the decoder reports it when the cache is built
+    return min(wanted, largest) if largest else wanted
 
 
 def cache_key(paths: Sequence[str], side: int) -> str:

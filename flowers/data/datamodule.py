@@ -12,7 +12,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset
 
 from flowers.data import batch_augment, synthetic
-from flowers.data.cache import ImageCache, cache_side, ensure_cache
+from flowers.data.cache import ImageCache, cache_side, ensure_cache, fitting_side
 from flowers.data.datasets import LabelledImages, UnlabelledImages
 from flowers.data.download import DEFAULT_DIR, FLOWER_PHOTOS_SHA256, FLOWER_PHOTOS_URL, fetch_flower_photos
 from flowers.data.folders import (
@@ -40,7 +40,11 @@ class FlowerDataModule(L.LightningDataModule):
             The CLI fills it from ``--ckpt_path``, so ``predict`` needs no training data.
         val_split: fraction of each class held out for validation in the single-folder layout.
         split_seed: seed of that split; the split never depends on the global seed or the rank.
-        image_size: side of the square the network sees (the seed's 224).
+        image_size: side of the square the network sees in training (the seed's 224).
+        eval_image_size: side of the validation/test/predict square; defaults to ``image_size``. The
+            random crops of training make objects look larger than in the full-image eval squash, so
+            evaluating about 4/3 larger matches them (Touvron et al., "Fixing the train-test resolution
+            discrepancy", 2019); the network's adaptive pooling takes any size.
         crop_scale: area range of the training RandomResizedCrop (the seed's, torchvision's default).
         batch_size: per process: under ddp the global batch is ``batch_size × world size``.
         eval_batch_size: batch for val/test/predict; defaults to ``batch_size``.
@@ -70,6 +74,7 @@ class FlowerDataModule(L.LightningDataModule):
         val_split: float = 0.1,
         split_seed: int = 42,
         image_size: int = 224,
+        eval_image_size: int | None = None,
         crop_scale: tuple[float, float] = (0.08, 1.0),
         batch_size: int = 32,
         eval_batch_size: int | None = None,
@@ -92,10 +97,11 @@ class FlowerDataModule(L.LightningDataModule):
             raise ConfigError(f"data.val_split must be between 0 and 1 (exclusive), got {val_split}.")
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
             raise ConfigError(f"data.batch_size and data.eval_batch_size must be at least 1, got {batch_size}.")
-        if image_size < MIN_IMAGE_SIZE:
-            raise ConfigError(
-                f"data.image_size={image_size} is too small for AlexNet's poolings; use at least {MIN_IMAGE_SIZE}."
-            )
+        for name, size in (("image_size", image_size), ("eval_image_size", eval_image_size or image_size)):
+            if size < MIN_IMAGE_SIZE:
+                raise ConfigError(
+                    f"data.{name}={size} is too small for AlexNet's poolings; use at least {MIN_IMAGE_SIZE}."
+                )
         if download:
             # Here, not in prepare_data: the class folders are read below, when the CLI instantiates us.
             data_dir = str(fetch_flower_photos(data_dir or DEFAULT_DIR, url=download_url, sha256=download_sha256))
@@ -103,6 +109,7 @@ class FlowerDataModule(L.LightningDataModule):
         self.val_split = val_split
         self.split_seed = split_seed
         self.image_size = image_size
+        self.eval_image_size = eval_image_size or image_size
         self.crop_scale = crop_scale
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -174,8 +181,8 @@ class FlowerDataModule(L.LightningDataModule):
                     self._labelled(root), val_fraction=self.val_split, seed=self.split_seed
                 )
             if self.cache:
-                cache = ensure_cache([s.path for s in train + val], root=root, side=cache_side(self.image_size),
-                                     fallback_dir=self.cache_dir)
+                paths = [s.path for s in train + val]
+                cache = ensure_cache(paths, root=root, side=self._cache_side(paths), fallback_dir=self.cache_dir)
                 self.train_set = CachedImages(cache, range(len(train)), [s.label for s in train])
                 self.val_set = CachedImages(cache, range(len(train), len(train) + len(val)), [s.label for s in val])
             else:
@@ -203,11 +210,15 @@ class FlowerDataModule(L.LightningDataModule):
             images = batch_augment.train_batch(squares, sizes, crop_size=self.image_size, scale=self.crop_scale,
                                                channels_last=channels_last)
         else:
-            images = batch_augment.eval_batch(squares, crop_size=self.image_size, channels_last=channels_last)
+            images = batch_augment.eval_batch(squares, crop_size=self.eval_image_size, channels_last=channels_last)
         return images, labels
 
     def _eval_transform(self):
-        return eval_transform(crop_size=self.image_size)
+        return eval_transform(crop_size=self.eval_image_size)
+
+    def _cache_side(self, paths: list[str]) -> int:
+        # One cache serves both: large enough that neither the train crops nor the eval squash upsample.
+        return fitting_side(paths, cache_side(max(self.image_size, self.eval_image_size)))
 
     def _predict_paths(self) -> list[str]:
         target = self.predict_dir
