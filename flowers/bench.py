@@ -8,7 +8,7 @@ In one process, on the same images, split, model, optimizer (Adam 2e-4), batch s
   Lightning's own cost;
 * ``b_cli``: ``b`` plus what ``python -m flowers fit`` adds (TensorBoard logger, the project's callbacks);
 * ``c``: ``fit`` with ``configs/fast.yaml`` (cache + batched augmentation, bf16-mixed, channels_last,
-  larger eval batch, pinned memory on CUDA).
+  the fused optimizer step, larger eval batch, pinned memory on CUDA).
 
 Each variant is warmed up, then run ``--repeats`` times, alternating, one full epoch each. The table gives
 medians (min–max) and each ratio to ``a``; the compute floor (train steps on tensors already in
@@ -207,15 +207,17 @@ def compute_floor(args, device: torch.device, num_classes: int) -> dict:
     """Train images/s on one batch already on the device: what the model alone allows."""
     steps = args.floor_steps
     results = {}
-    for name, dtype, channels_last in (("fp32", None, False), ("bf16", torch.bfloat16, False),
-                                       ("bf16_channels_last", torch.bfloat16, True)):
+    for name, dtype, channels_last, fused in (
+        ("fp32", None, False, False), ("bf16", torch.bfloat16, False, False),
+        ("bf16_channels_last", torch.bfloat16, True, False), ("bf16_channels_last_fused", torch.bfloat16, True, True),
+    ):
         model = AlexNet(num_classes).to(device)
         images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
         labels = torch.randint(0, num_classes, (args.batch_size,), device=device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
             images = images.contiguous(memory_format=torch.channels_last)
-        optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR)
+        optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR, fused=fused or None)
         for i in range(min(3, steps) + steps):  # the first few warm up oneDNN's kernels and are not timed
             if i == min(3, steps):
                 _sync(device)
@@ -265,10 +267,14 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def _floor_key(variant: str, precision: str) -> str:
-    # The floor of the variant's own settings: fp32, or c's bf16 with or without channels_last.
+    # The floor of the variant's own settings: fp32, or c's bf16 with channels_last and the fused optimizer
+    # as fast.yaml asks.
     if variant != "c" or not precision.startswith("bf16"):
         return "fp32"
-    return "bf16_channels_last" if fast_settings().get("model", {}).get("channels_last") else "bf16"
+    model = fast_settings().get("model", {})
+    if not model.get("channels_last"):
+        return "bf16"
+    return "bf16_channels_last_fused" if model.get("fused_optimizer") else "bf16_channels_last"
 
 
 def table(report: dict) -> str:
@@ -287,7 +293,7 @@ def table(report: dict) -> str:
                     f"  [{result['runs'][0]['workers']} workers]")
     floor, loader = report["floor"], report["loader"]
     rows.append(f"{'floor: train step on tensors':34} " + ", ".join(
-        f"{name.replace('_channels_last', '+channels_last')} {floor[name]:.1f}"
+        f"{name.replace('_channels_last', '+channels_last').replace('_fused', '+fused')} {floor[name]:.1f}"
         f" ({min(runs):.1f}–{max(runs):.1f})" for name, runs in report["floor_runs"].items()) + " img/s")
     rows.append(f"{'':34} (÷floor: median over repeats of each run ÷ the floor of its own repeat and settings)")
     rows.append(f"{'loader alone (train)':34} PIL {loader['pil']:.1f}, "

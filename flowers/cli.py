@@ -35,6 +35,8 @@ from flowers.module import FlowerClassifier
 LOG_DIR = "runs"  # every run's TensorBoard logs, config.yaml and checkpoints live under runs/flowers/version_N/
 LIGHTNING_CKPT_ALIASES = {"best", "hpc", "registry"}  # "last" is resolved here, see _resolve_last
 DDP_TIMEOUT_S = 600.0
+# FlowerClassifier arguments that change how a model runs, not what it computes: on resume they follow the command.
+RUNTIME_MODEL_KEYS = ("channels_last", "compile", "fused_optimizer")
 
 
 class FlowersCLI(LightningCLI):
@@ -61,6 +63,9 @@ class FlowersCLI(LightningCLI):
     # -- checkpoints -----------------------------------------------------------------------------
     def _parse_ckpt_path(self) -> None:
         self._resolve_last()
+        subcommand = self.config.get("subcommand")
+        model = self.config[subcommand].get("model") if subcommand else None
+        how_it_runs = {key: model.get(key) for key in RUNTIME_MODEL_KEYS} if model is not None else {}
         # LightningCLI reads the checkpoint's hyperparameters while parsing; a truncated or foreign
         # file would surface as a deep torch.load traceback, so turn it into a one-line error.
         try:
@@ -70,6 +75,11 @@ class FlowersCLI(LightningCLI):
         except Exception as error:
             path = self.config[self.config.subcommand].get("ckpt_path")
             raise ConfigError(f"--ckpt_path {path!r} cannot be read as a flowers checkpoint ({error}).") from None
+        # Lightning replaces all of model.* with the checkpoint's values. What the model is (classes,
+        # dropout, loss, optimizer) must stay the checkpoint's; how it runs is this command's choice, as
+        # precision, devices and the data cache already are: `--ckpt_path last --model.compile=true` compiles.
+        for key, value in how_it_runs.items():
+            self.config[subcommand]["model"][key] = value
 
     def _resolve_last(self) -> None:
         # Lightning's own "last" looks in this run's checkpoint folder, which for a new version_N is empty:

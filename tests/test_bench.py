@@ -25,7 +25,8 @@ def test_bench_prints_every_row_and_writes_json(in_tmp, tiny_synthetic, capsys):
     report = json.loads(out.read_text())
     assert set(report) == {"config", "cache_build_s", "floor", "floor_runs", "loader", "variants"}
     assert all(len(runs) == 1 for runs in report["floor_runs"].values())  # one floor per repeat
-    assert set(report["floor"]) == {"fp32", "bf16", "bf16_channels_last"} and set(report["loader"]) == {"pil", "cache"}
+    assert set(report["floor"]) == {"fp32", "bf16", "bf16_channels_last", "bf16_channels_last_fused"}
+    assert set(report["loader"]) == {"pil", "cache"}
     assert list(report["variants"]) == list(VARIANTS)
     for result in report["variants"].values():
         assert len(result["runs"]) == 1 and result["runs"][0]["train_images"] == 4

@@ -26,6 +26,7 @@ def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
     assert trainer.global_step == 3 and trainer.precision == "bf16-mixed"
     assert torch.isfinite(trainer.callback_metrics["val/loss"])
     assert cli.model.net.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert trainer.optimizers[0].defaults["fused"] is True  # fast.yaml's fused_optimizer
     # Batches are built in the model's layout, and on CPU by the training process itself.
     assert FlowerDataModule(str(data), cache=True).num_workers == 0
     assert FlowerDataModule(str(data)).num_workers == min(os.cpu_count(), 32, 8)
@@ -86,3 +87,51 @@ def test_the_cache_never_upsamples_small_photos(in_tmp):
     module = FlowerDataModule(str(data), image_size=64, batch_size=4, num_workers=0, cache=True)
     module.setup("fit")
     assert module.train_set.cache.pixels.shape[-2:] == (60, 60)
+
+
+@pytest.mark.parametrize("optimizer", [
+    None,  # the seed's Adam
+    {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05, "momentum": 0.9, "nesterov": True,
+                                                     "weight_decay": 5e-4}},
+    {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "weight_decay": 0.05}},
+])
+def test_the_fused_optimizer_keeps_the_settings_and_the_update(optimizer, in_tmp, tiny_synthetic):
+    import yaml
+
+    from flowers.module import FlowerClassifier
+
+    args = ["fit", *TINY_RUN, "--trainer.max_steps=0", f"--data.data_dir={tiny_synthetic}"]
+    if optimizer is not None:
+        (in_tmp / "opt.yaml").write_text(yaml.safe_dump({"model": {"optimizer": optimizer}}))
+        args += ["--config", str(in_tmp / "opt.yaml")]
+    factory = cli_main(args).model.optimizer_factory
+    images, labels = torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3])
+    params, optimizers = [], []
+    for fused in (False, True):
+        torch.manual_seed(0)  # same weights and the same dropout masks
+        model = FlowerClassifier(5, optimizer=factory, fused_optimizer=fused)
+        start = torch.cat([p.detach().flatten() for p in model.parameters()])
+        step = model._optimizer()
+        for _ in range(3):
+            step.zero_grad()
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            step.step()
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        optimizers.append(step)
+    plain, fused = optimizers
+    assert not plain.defaults["fused"] and fused.defaults["fused"] is True and type(fused) is type(plain)
+    assert {k: v for k, v in fused.defaults.items() if k not in ("fused", "foreach")} == \
+        {k: v for k, v in plain.defaults.items() if k not in ("fused", "foreach")}
+    # The same three updates up to float rounding (Adam divides by sqrt(v) + eps, which magnifies it where
+    # gradients are near zero): the two differ by a few % of how far the weights moved at most.
+    moved = (params[0] - start).abs().max()
+    assert moved > 0 and (params[1] - params[0]).abs().max() < 0.05 * moved
+
+
+def test_an_optimizer_with_no_fused_kernel_is_kept(in_tmp):
+    from functools import partial
+
+    from flowers.module import FlowerClassifier
+
+    optimizer = FlowerClassifier(5, optimizer=partial(torch.optim.RMSprop, lr=1e-3), fused_optimizer=True)._optimizer()
+    assert isinstance(optimizer, torch.optim.RMSprop) and "fused" not in optimizer.defaults

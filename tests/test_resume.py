@@ -100,3 +100,20 @@ def test_explicit_checkpoint_path_resumes_too(runs, tiny_synthetic, monkeypatch)
     more = fit(root, monkeypatch, tiny_synthetic, "--trainer.max_epochs=5", f"--ckpt_path={last}")
     assert more.trainer.current_epoch == 5 and more.trainer.global_step == 15
     assert (root / first.trainer.log_dir / "config-resume-2.yaml").is_file()
+
+
+def test_a_resume_runs_as_its_command_says_but_keeps_the_checkpoints_model(runs, tiny_synthetic, monkeypatch):
+    # channels_last, compile and fused_optimizer are how the model runs: they follow the resuming command
+    # (Lightning alone would take every model.* value from the checkpoint); the optimizer stays the saved one.
+    straight, _, _, _, _, straight_root = runs
+    last = straight_root / straight.trainer.checkpoint_callback.dirpath / "last.ckpt"  # 4 epochs, 12 steps
+    saved = torch.load(last, weights_only=True)["optimizer_states"][0]
+    assert not saved["param_groups"][0]["fused"]  # the first run's Adam was not fused
+    more = fit(straight_root, monkeypatch, tiny_synthetic, "--trainer.max_epochs=5", f"--ckpt_path={last}",
+               "--model.fused_optimizer=true", "--model.channels_last=true", "--model.dropout=0.1")
+    assert more.model.fused_optimizer and more.model.channels_last
+    assert more.model.hparams.dropout == 0.5  # what the model is comes from the checkpoint
+    optimizer = more.trainer.optimizers[0]
+    assert isinstance(optimizer, torch.optim.Adam) and optimizer.param_groups[0]["lr"] == pytest.approx(0.001 * 0.5**5)
+    assert optimizer.param_groups[0]["fused"] is True
+    assert all(float(state["step"]) == 15 for state in optimizer.state.values())  # 12 saved steps + 3 more
