@@ -277,4 +277,8 @@ def main(args: list[str] | None = None) -> int:
         sys.stderr.flush()
         # The process group is broken: interpreter shutdown could block in its destructors.
         os._exit(2)
+    # A gloo process group left for interpreter shutdown to tear down sometimes aborts the process after
+    # a finished fit ("terminate called without an active exception", exit -6): close it while it is sound.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
