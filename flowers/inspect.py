@@ -116,7 +116,7 @@ def evaluate(model: FlowerClassifier, datamodule: FlowerDataModule, stage: str =
     probs, labels = [], []
     device = next(model.parameters()).device
     for images, targets in loader:
-        batch_probs = model(images.to(device)).float().softmax(dim=1).cpu()
+        batch_probs = model.eval_logits(images.to(device)).float().softmax(dim=1).cpu()
         for metric in metrics.values():
             metric.update(batch_probs, targets)
         probs.append(batch_probs)
@@ -137,7 +137,7 @@ def predict(model: FlowerClassifier, paths: list[str | Path], *, top_k: int = 3,
     device = next(model.parameters()).device
     outputs = []
     for images, indices, errors in DataLoader(dataset, batch_size=batch_size, shuffle=False):
-        probs = model(images.to(device)).float().softmax(dim=1).cpu()
+        probs = model.eval_logits(images.to(device)).float().softmax(dim=1).cpu()
         outputs.append({"index": indices, "probs": probs, "error": list(errors)})
     return prediction_rows(outputs, dataset.paths, model.class_names, top_k)
 

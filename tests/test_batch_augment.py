@@ -55,19 +55,21 @@ def test_fallback_is_torchvisions_centre_crop():
     np.testing.assert_array_equal(ours.numpy(), np.array(expected))
 
 
-def test_flip_probability_and_output_format():
+@pytest.mark.parametrize("batched", [False, True])
+def test_flip_probability_and_output_format(batched):
     torch.manual_seed(0)
     n, side = 600, 16
     squares = torch.zeros(n, 3, side, side, dtype=torch.uint8)
     squares[..., side // 2:] = 255  # dark left, bright right
-    out = train_batch(squares, torch.tensor([[side, side]] * n), crop_size=12, scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    out = train_batch(squares, torch.tensor([[side, side]] * n), crop_size=12, scale=(1.0, 1.0), ratio=(1.0, 1.0),
+                      batched=batched)
     assert out.shape == (n, 3, 12, 12) and out.dtype == torch.float32
     # The seed's mean and std of 0.5 map 0 and 255 to -1 and 1 (to float rounding: one fused multiply-add).
     torch.testing.assert_close((out.min().item(), out.max().item()), (-1.0, 1.0))
     flipped = (out[..., :6].mean(dim=(1, 2, 3)) > out[..., 6:].mean(dim=(1, 2, 3))).float().mean()
     assert abs(flipped - 0.5) < 0.07  # 600 draws: 4 standard errors
     none = train_batch(squares, torch.tensor([[side, side]] * n), crop_size=12, scale=(1.0, 1.0), ratio=(1.0, 1.0),
-                       hflip_prob=0.0)
+                       hflip_prob=0.0, batched=batched)
     assert (none[..., :6] < none[..., 6:]).all()
 
 
@@ -116,3 +118,43 @@ def test_channels_last_output_has_the_same_values():
     evaluated = eval_batch(squares, crop_size=32, channels_last=True)
     assert evaluated.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(evaluated, eval_batch(squares, crop_size=32), rtol=0, atol=1e-6)
+
+
+def test_a_photo_cached_at_its_own_size_gets_pils_crop_for_the_same_box(monkeypatch):
+    # The shared photos are squares cached as they are: then a box's crop must be the seed's, not just
+    # alike in distribution (PIL's resized_crop, ToTensor, Normalize), up to a grey level of rounding.
+    from torchvision.transforms import functional as TF
+
+    from flowers.data import batch_augment
+
+    rng = np.random.default_rng(4)
+    image = synthetic.draw_flower(1, rng, size=227)
+    square, size = _decode_pil(image, 227)
+    boxes = [(10, 20, 80, 90), (0, 0, 227, 227), (50, 30, 150, 120), (100, 5, 127, 222)]
+    for top, left, h, w in boxes:
+        monkeypatch.setattr(batch_augment, "sample_crop_boxes",
+                            lambda *args, box=(top, left, h, w), **kwargs: torch.tensor([box], dtype=torch.float64))
+        ours = train_batch(square[None], torch.tensor([size]), crop_size=224, hflip_prob=0.0)[0]
+        seed = TF.normalize(TF.to_tensor(TF.resized_crop(image, top, left, h, w, [224, 224], antialias=True)),
+                            [0.5] * 3, [0.5] * 3)
+        difference = (ours - seed).abs()  # one grey level is 2/255 after Normalize(0.5, 0.5)
+        assert difference.max() <= 2 / 255 + 1e-6 and difference.mean() < 0.1 / 255, (top, left, h, w)
+
+
+def test_batched_crop_gives_the_per_image_crops_pixels():
+    # The GPU's one-call crop (roi_align) against the CPU's per-image resized_crop, for the same boxes of
+    # the seed's distribution, on photo-like images: the same pictures up to edge and filter details.
+    from flowers.data.batch_augment import _crop_batched, _crop_each
+
+    rng = np.random.default_rng(5)
+    squares = torch.stack([_decode_pil(synthetic.draw_flower(k % 5, rng, size=227), 227)[0] for k in range(12)])
+    torch.manual_seed(0)
+    boxes = sample_crop_boxes(torch.tensor([[227, 227]] * 12)).round().long()
+    each, batched = _crop_each(squares, boxes, 224).float(), _crop_batched(squares, boxes, 224)
+    assert batched.shape == each.shape == (12, 3, 224, 224)
+    assert (batched - each).abs().mean() < 1.0  # grey levels of 255; they differ only near the boxes' edges
+    # A box the crop's own size is copied exactly; a whole square shrunk is its area average.
+    whole = torch.tensor([[0, 0, 224, 224]] * 12)
+    torch.testing.assert_close(_crop_batched(squares[:, :, :224, :224], whole, 224), squares[:, :, :224, :224].float())
+    halved = _crop_batched(squares[:, :, :224, :224], whole, 112)
+    torch.testing.assert_close(halved, torch.nn.functional.avg_pool2d(squares[:, :, :224, :224].float(), 2))

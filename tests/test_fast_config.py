@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,7 @@ def test_best_recipe_warms_up_then_decays(in_tmp, tiny_synthetic):
     assert isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps == 6
     assert scheduler.factor(0) == pytest.approx(0.1) and scheduler.factor(6) == pytest.approx(0.0)
     assert max(scheduler.factor(s) for s in range(7)) == pytest.approx(1.0, abs=0.2)
+    assert cli.model.eval_hflip is True
 
 
 def test_compile_and_channels_last_keep_the_checkpoint_keys():
@@ -122,10 +124,15 @@ def test_the_fused_optimizer_keeps_the_settings_and_the_update(optimizer, in_tmp
     assert not plain.defaults["fused"] and fused.defaults["fused"] is True and type(fused) is type(plain)
     assert {k: v for k, v in fused.defaults.items() if k not in ("fused", "foreach")} == \
         {k: v for k, v in plain.defaults.items() if k not in ("fused", "foreach")}
-    # The same three updates up to float rounding (Adam divides by sqrt(v) + eps, which magnifies it where
-    # gradients are near zero): the two differ by a few % of how far the weights moved at most.
-    moved = (params[0] - start).abs().max()
-    assert moved > 0 and (params[1] - params[0]).abs().max() < 0.05 * moved
+    # The same three updates up to float rounding. Adam divides by sqrt(v) + eps, which magnifies rounding
+    # where gradients are near zero: there a weight can differ by up to a step (seen on an AMD EPYC for
+    # AdamW, 7 % of the largest move). So: nearly every weight within 5 % of the largest move, and on
+    # average within 1 % of the average move.
+    moved = (params[0] - start).abs()
+    difference = (params[1] - params[0]).abs()
+    assert moved.max() > 0
+    assert (difference > 0.05 * moved.max()).float().mean() < 1e-4
+    assert difference.mean() < 0.01 * moved.mean()
 
 
 def test_an_optimizer_with_no_fused_kernel_is_kept(in_tmp):
@@ -135,3 +142,56 @@ def test_an_optimizer_with_no_fused_kernel_is_kept(in_tmp):
 
     optimizer = FlowerClassifier(5, optimizer=partial(torch.optim.RMSprop, lr=1e-3), fused_optimizer=True)._optimizer()
     assert isinstance(optimizer, torch.optim.RMSprop) and "fused" not in optimizer.defaults
+
+
+
+def test_eval_hflip_scores_an_image_and_its_mirror_alike():
+    from flowers.module import FlowerClassifier
+
+    torch.manual_seed(0)
+    images = torch.randn(3, 3, 64, 64)
+    plain = FlowerClassifier(5).eval()
+    tta = FlowerClassifier(5, eval_hflip=True).eval()
+    tta.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        mirrored = (plain(images) + plain(images.flip(-1))) / 2
+        torch.testing.assert_close(tta.eval_logits(images), mirrored)
+        torch.testing.assert_close(tta.eval_logits(images.flip(-1)), tta.eval_logits(images))
+        assert not torch.allclose(plain.eval_logits(images.flip(-1)), plain.eval_logits(images))
+        # predict uses the same view as validation
+        probs = tta.predict_step((images, torch.arange(3), ["", "", ""]), 0)["probs"]
+        torch.testing.assert_close(probs, mirrored.softmax(dim=1))
+
+
+def test_a_cache_held_on_the_device_gives_the_same_batches(in_tmp, monkeypatch):
+    # On CUDA the whole cache is uploaded once and batches carry indices; CI has no GPU, so here the
+    # "device" copy is a CPU tensor: the same code path after the upload.
+    from flowers.errors import ConfigError
+
+    data = make_tree(in_tmp / "photos", {"a": 6, "b": 6}, size=80)
+    on_host = FlowerDataModule(str(data), image_size=64, batch_size=4, cache=True)
+    on_host.setup("fit")
+    monkeypatch.setattr(FlowerDataModule, "_cache_to_device",
+                        lambda self, cache: torch.from_numpy(np.ascontiguousarray(cache.pixels)))
+    on_device = FlowerDataModule(str(data), image_size=64, batch_size=4, cache=True)
+    on_device.setup("fit")
+    assert on_device.num_workers == 0 and on_device.val_set.as_index
+    indices, labels, sizes = next(iter(on_device.val_dataloader()))
+    host_batch = next(iter(on_host.val_dataloader()))
+    assert indices.dtype == torch.int64 and indices.ndim == 1
+    for module in (on_host, on_device):
+        module.trainer = type("Trainer", (), {"training": False, "lightning_module": None})()
+    expected, expected_labels = on_host.on_after_batch_transfer(host_batch, 0)
+    images, labels = on_device.on_after_batch_transfer((indices, labels, sizes), 0)
+    torch.testing.assert_close(images, expected)
+    assert labels.tolist() == expected_labels.tolist()
+    monkeypatch.undo()
+    trainer = type("Trainer", (), {"strategy": type("Strategy", (), {"root_device": torch.device("cpu")})()})()
+    asked = FlowerDataModule(str(data), cache=True, cache_on_device=True)
+    asked.trainer = trainer
+    with pytest.raises(ConfigError, match="cache_on_device"):
+        asked.setup("fit")
+    auto = FlowerDataModule(str(data), cache=True)
+    auto.trainer = trainer
+    auto.setup("fit")
+    assert not auto.train_set.as_index  # unset on CPU: the host path

@@ -2,8 +2,14 @@
 
 torchvision's RandomResizedCrop draws one box per call on one image; here one call draws a box per
 image of the batch with the same rule (vectorised, so it runs on the GPU without a per-image sync),
-then crops and resizes each image with torchvision's uint8 ``resized_crop`` (its fast path: about
-0.2 ms an image at 224 px on this project's 2-core CPU), flips and normalises the whole batch at once.
+then crops and resizes, flips and normalises the whole batch at once.
+
+The crop and resize is done two ways, by device. On CPU, each image goes through torchvision's uint8
+``resized_crop`` (its fast path: about 0.2 ms an image at 224 px on this project's 2-core CPU). On CUDA,
+that per-image loop cost 32 launches of several kernels and a host sync per batch, and held an H200 to
+a fifth of its compute floor; there the whole batch is one ``roi_align`` call (bilinear at each output
+pixel's centre, averaging ceil(box/output) samples per pixel when shrinking: the same pixels as the
+bilinear resize when enlarging, an area filter instead of PIL's triangle one when shrinking).
 
 On CPU every millisecond here is taken from the training step, so the batch is built with as few
 full-size passes as possible: the layout change to channels_last happens on uint8 (a quarter of the
@@ -18,6 +24,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torchvision.ops import roi_align
 from torchvision.transforms.v2 import functional as F
 
 from flowers.data.transforms import SEED_MEAN, SEED_STD
@@ -81,24 +88,45 @@ def train_batch(
     squares: torch.Tensor, sizes: torch.Tensor, *, crop_size: int, scale: Sequence[float] = (0.08, 1.0),
     ratio: Sequence[float] = SEED_RATIO, hflip_prob: float = 0.5,
     mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD, generator: torch.Generator | None = None,
-    channels_last: bool = False,
+    channels_last: bool = False, batched: bool | None = None,
 ) -> torch.Tensor:
     """``train_transform`` on ``N × 3 × S × S`` uint8 squares of originals of ``sizes``: float ``N × 3 × c × c``,
-    in channels_last memory order if asked (for a channels_last model, which would otherwise copy it)."""
+    in channels_last memory order if asked (for a channels_last model, which would otherwise copy it).
+    ``batched``: crop with one ``roi_align`` instead of per image; unset, on CUDA."""
     side = squares.shape[-1]
     boxes = sample_crop_boxes(sizes, scale=scale, ratio=ratio, generator=generator)
     # Map each box from the original's pixels onto the square it was squashed into.
     factors = side / sizes.double().repeat(1, 2)
     boxes = (boxes * factors).round().long().clamp(min=0)
     boxes[:, 2:] = boxes[:, 2:].clamp(min=1)
-    crops = torch.stack([
+    if batched is None:
+        batched = squares.is_cuda
+    crops = _crop_batched(squares, boxes, crop_size) if batched else _crop_each(squares, boxes, crop_size)
+    if hflip_prob > 0:
+        flip = torch.rand(len(crops), generator=generator, device=crops.device) < hflip_prob
+        if batched:  # no boolean indexing: its output size would need a host sync
+            crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
+        else:
+            crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
+    return _normalise(crops, mean, std, channels_last=channels_last)
+
+
+def _crop_each(squares: torch.Tensor, boxes: torch.Tensor, crop_size: int) -> torch.Tensor:
+    return torch.stack([
         F.resized_crop(image, top, left, h, w, [crop_size, crop_size], antialias=True)
         for image, (top, left, h, w) in zip(squares, boxes.tolist(), strict=True)
     ])
-    if hflip_prob > 0:
-        flip = torch.rand(len(crops), generator=generator, device=crops.device) < hflip_prob
-        crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
-    return _normalise(crops, mean, std, channels_last=channels_last)
+
+
+def _crop_batched(squares: torch.Tensor, boxes: torch.Tensor, crop_size: int) -> torch.Tensor:
+    # Float in 0..255 (not rounded to uint8: nothing downstream needs it). aligned=True puts pixel i's
+    # centre at i + 0.5, as resize's align_corners=False does; sampling_ratio=-1 averages
+    # ceil(box side / crop_size) samples per output pixel and axis, the antialiasing of a shrink.
+    top, left, h, w = boxes.to(torch.float32).unbind(1)
+    index = torch.arange(len(boxes), device=boxes.device, dtype=torch.float32)
+    rois = torch.stack([index, left, top, left + w, top + h], dim=1)
+    return roi_align(squares.float(), rois, output_size=crop_size, spatial_scale=1.0, sampling_ratio=-1,
+                     aligned=True)
 
 
 def eval_batch(

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every GPU-specific check in one call, for a machine lent for a few minutes (CI has no GPU):
+#   DATA=path/to/flower_photos RESULTS=out/ tests/gpu/run_all.sh
+# 1. the benchmark on the real photos: plain loop (a), fit with the seed's settings (b), fast.yaml (c),
+#    compute floor and loaders, on CUDA (issue 5's GPU targets: c >= 5x a, c >= 50 % of the floor);
+# 2. tests/gpu/check_modes.sh: one GPU fp32/bf16, auto, dp (fp16, bf16, two replicas on GPU 0), ddp if 2+ GPUs;
+# 3. val accuracy after 10 epochs, a vs c, over 4 seeds (cheap here, slow on 2 CPU cores), and c in fp32.
+# STEPS picks a subset, e.g. STEPS="bench accuracy" (default: all).
+# Each part has its own time limit and writes its output to $RESULTS as it goes, so a part that runs
+# out of time still leaves the others' results.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PY=${PYTHON:-python3}
+DATA=${DATA:-$ROOT/data/flower_photos}
+RESULTS=${RESULTS:-$(mktemp -d -t flowers-gpu-results-XXXXXX)}
+mkdir -p "$RESULTS"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$ROOT"
+
+STEPS=${STEPS:-bench modes accuracy accuracy_fp32}
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, output to the console and $RESULTS/NAME.txt
+    local name=$1 seconds=$2
+    shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
+    echo "=== $name (limit ${seconds}s): $*"
+    local start=$SECONDS
+    timeout "$seconds" "$@" 2>&1 | tee "$RESULTS/$name.txt"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c 'import torch, lightning, torchvision, jsonargparse; print("torch", torch.__version__, "lightning",
+lightning.__version__, "torchvision", torchvision.__version__, "jsonargparse", jsonargparse.__version__,
+"cpus", __import__("os").cpu_count())'
+
+step bench "${BENCH_S:-200}" "$PY" -m flowers.bench --data-dir "$DATA" --variants a,b,c --repeats 3 --epochs 3 \
+    --json "$RESULTS/bench.json"
+MODES_DIR=$(mktemp -d -t flowers-gpu-modes-XXXXXX)
+step modes "${MODES_S:-200}" env PYTHON="$PY" EPOCHS=2 OUT_DIR="$MODES_DIR" "$ROOT/tests/gpu/check_modes.sh"
+for log in "$MODES_DIR"/*.log; do  # a failed mode's own log, where its error is
+    [ -f "$log" ] || continue
+    [ -f "${log%.log}/throughput.json" ] || { echo "--- $log"; tail -n 25 "$log"; } | tee -a "$RESULTS/modes.txt"
+done
+step accuracy "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants a,c --repeats 4 --epochs 10 \
+    --warmup-batches 0 --json "$RESULTS/accuracy.json"
+step accuracy_fp32 "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 4 --epochs 10 \
+    --warmup-batches 0 --fast-precision 32-true --json "$RESULTS/accuracy_fp32.json"
