@@ -144,7 +144,6 @@ def test_an_optimizer_with_no_fused_kernel_is_kept(in_tmp):
     assert isinstance(optimizer, torch.optim.RMSprop) and "fused" not in optimizer.defaults
 
 
-
 def test_eval_hflip_scores_an_image_and_its_mirror_alike():
     from flowers.module import FlowerClassifier
 
