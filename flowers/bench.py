@@ -17,15 +17,22 @@ is measured in every repeat, right after the variants, and each run is compared 
 floor: a shared or throttled machine drifts by ±15 % over minutes, which would swamp a floor taken once.
 Peak memory is the GPU's on CUDA, else the main process's resident peak (loader workers not included).
 
+``--ablate "model.channels_last=false"`` adds a variant: ``c`` with those fast.yaml settings changed
+(several ``section.name=value`` pairs, separated by spaces, change several at once; repeat the flag for
+more variants). So each setting's share of the speed, or of an accuracy difference, is measured side
+by side with ``c`` in the same run.
+
 ``--epochs N`` trains each run N epochs (validating after each, as ``fit`` does) and adds the val
-accuracy after the last one; ``--epochs 10 --repeats 2`` is the accuracy check of fast vs plain over two
-seeds (repeat r seeds torch with ``--seed`` + r, so a and c start from the same weights; another
-``--seed`` adds more seeds). Times are then per epoch.
+accuracy after the last one (each epoch's val accuracy and mean train loss go to ``--json``);
+``--epochs 10 --repeats 2`` is the accuracy check of fast vs plain over two seeds (repeat r seeds torch
+with ``--seed`` + r, so a and c start from the same weights; another ``--seed`` adds more seeds). Times
+are then per epoch.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -106,10 +113,10 @@ def run_plain(args, device: torch.device) -> dict:
     _reset_peak(device)
     train_loader, val_loader = datamodule.train_dataloader(), datamodule.val_dataloader()
     start = time.perf_counter()
-    seen, val_s = 0, 0.0
+    seen, val_s, history = 0, 0.0, []
     for _ in range(args.epochs):
         model.train()
-        running_loss = 0.0
+        running_loss, steps = 0.0, 0
         for images, labels in _limited(train_loader, args.limit_batches):
             images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()
@@ -118,6 +125,7 @@ def run_plain(args, device: torch.device) -> dict:
             optimizer.step()
             running_loss += loss.item()  # the seed prints the running loss: one sync per step, as fit's logging
             seen += len(labels)
+            steps += 1
         _sync(device)
         val_start = time.perf_counter()
         model.eval()
@@ -128,10 +136,11 @@ def run_plain(args, device: torch.device) -> dict:
                 total += len(labels)
         _sync(device)
         val_s += time.perf_counter() - val_start
+        history.append({"train_loss": running_loss / max(1, steps), "val_acc": correct / max(1, total)})
     total_s = time.perf_counter() - start
     return {"train_images": seen, "train_s": total_s - val_s, "val_s": val_s / args.epochs,
             "epoch_s": total_s / args.epochs, "peak_mb": _peak_mb(device), "val_acc": correct / max(1, total),
-            "workers": datamodule.num_workers}
+            "history": history, "workers": datamodule.num_workers}
 
 
 class _EpochTimer(L.Callback):
@@ -143,6 +152,7 @@ class _EpochTimer(L.Callback):
         self.val_s = 0.0
         self.epochs = 0
         self.times: dict[str, float] = {}
+        self.history: list[dict] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         _reset_peak(self.device)
@@ -163,15 +173,57 @@ class _EpochTimer(L.Callback):
             self.val_s += self.times["end"] - self.times["val_start"]
             self.epochs += 1
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # After this epoch's validation (Lightning validates inside the training epoch), outside the timed span.
+        metrics = trainer.callback_metrics
+        if "val/acc" in metrics:
+            self.history.append({"train_loss": float(metrics["train/loss_epoch"]),
+                                 "val_acc": float(metrics["val/acc"])})
+
     def result(self, trainer) -> dict:
         total_s = self.times["end"] - self.times["start"]
         return {"train_images": self.seen, "train_s": total_s - self.val_s, "val_s": self.val_s / self.epochs,
                 "epoch_s": total_s / self.epochs, "peak_mb": _peak_mb(self.device),
-                "val_acc": float(trainer.callback_metrics["val/acc"])}
+                "val_acc": float(trainer.callback_metrics["val/acc"]), "history": self.history}
 
 
 def fast_settings() -> dict:
     return yaml.safe_load(FAST_CONFIG.read_text())
+
+
+# What an ablation may change: the settings fast.yaml's sections feed (the bench builds the Trainer,
+# module and datamodule itself, so a key outside these would be silently ignored).
+ABLATABLE = {"trainer": {"precision"},
+             "model": {"channels_last", "compile", "fused_optimizer"},
+             "data": set(inspect.signature(FlowerDataModule).parameters) - {"data_dir"}}
+
+
+def parse_ablation(text: str) -> dict:
+    """``"model.channels_last=false data.cache=false"`` → ``{"model": {"channels_last": False}, "data": …}``."""
+    changes: dict[str, dict] = {}
+    for pair in text.replace(",", " ").split():
+        key, sep, value = pair.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or name not in ABLATABLE.get(section, ()):
+            allowed = ", ".join(f"{sec}.{n}" for sec, names in ABLATABLE.items() for n in sorted(names))
+            raise ConfigError(f"--ablate {pair!r}: expected SECTION.NAME=VALUE with one of {allowed}.")
+        changes.setdefault(section, {})[name] = yaml.safe_load(value)
+    if not changes:
+        raise ConfigError("--ablate needs at least one SECTION.NAME=VALUE, e.g. --ablate model.channels_last=false.")
+    return changes
+
+
+def variant_settings(args, variant: str) -> dict:
+    """fast.yaml's trainer/model/data settings for ``c`` (with --fast-precision, --compile) or an ablation."""
+    fast = fast_settings()
+    settings = {section: dict(fast.get(section) or {}) for section in ("trainer", "model", "data")}
+    if args.fast_precision:
+        settings["trainer"]["precision"] = args.fast_precision
+    if args.compile:
+        settings["model"]["compile"] = True
+    for section, changes in args.ablations.get(variant, {}).items():
+        settings[section].update(changes)
+    return settings
 
 
 def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
@@ -188,18 +240,20 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
                                                                         default_hp_metric=False)
         trainer_kwargs["callbacks"] = [timer, L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"),
                                        ClassIndicesWriter(), TensorBoardPictures()]
-    elif variant == "c":
-        fast = fast_settings()
-        trainer_kwargs["precision"] = args.fast_precision or fast["trainer"]["precision"]
+    elif variant.startswith("c"):
+        fast = variant_settings(args, variant)
+        trainer_kwargs.update(fast.get("trainer", {}))
         model_kwargs = dict(fast.get("model", {}))
-        if args.compile:
-            model_kwargs["compile"] = True
-        data_kwargs = {k: v for k, v in fast.get("data", {}).items()}
+        data_kwargs = dict(fast.get("data", {}))
     datamodule = _datamodule(args, **data_kwargs)
     model = FlowerClassifier(datamodule.num_classes, datamodule.class_names, **model_kwargs)
     trainer = L.Trainer(**{k: v for k, v in trainer_kwargs.items() if v is not None})
     trainer.fit(model, datamodule=datamodule)
-    return {**timer.result(trainer), "workers": datamodule.num_workers}
+    # What the run really used, read back from the objects (so a report shows an ablation took effect).
+    used = {"precision": trainer.precision, "cache": datamodule.cache, "channels_last": model.channels_last,
+            "fused_optimizer": bool(trainer.optimizers[0].defaults.get("fused")),
+            "eval_batch_size": datamodule.eval_batch_size}
+    return {**timer.result(trainer), "workers": datamodule.num_workers, "used": used}
 
 
 # -- floor and loaders --------------------------------------------------------------------------
@@ -266,15 +320,24 @@ def summarise(runs: list[dict]) -> dict:
     return out
 
 
-def _floor_key(variant: str, precision: str) -> str:
-    # The floor of the variant's own settings: fp32, or c's bf16 with channels_last and the fused optimizer
-    # as fast.yaml asks.
-    if variant != "c" or not precision.startswith("bf16"):
+def _floor_key(args, variant: str) -> str:
+    # The floor nearest the variant's own settings: fp32, or bf16 with channels_last and the fused optimizer
+    # as far as the variant has them (the floor is measured for these four combinations only).
+    if not variant.startswith("c"):
         return "fp32"
-    model = fast_settings().get("model", {})
+    settings = variant_settings(args, variant)
+    if not str(settings["trainer"].get("precision", "32")).startswith("bf16"):
+        return "fp32"
+    model = settings["model"]
     if not model.get("channels_last"):
         return "bf16"
     return "bf16_channels_last_fused" if model.get("fused_optimizer") else "bf16_channels_last"
+
+
+def label(report: dict, variant: str) -> str:
+    if variant in LABELS:
+        return LABELS[variant]
+    return f"{variant} c with {report['config']['ablations'][variant]}"
 
 
 def table(report: dict) -> str:
@@ -286,7 +349,7 @@ def table(report: dict) -> str:
         ips, ep = s["train_images_per_s"], s["epoch_s"]
         ratio = f"{ips['median'] / base['summary']['train_images_per_s']['median']:.3f}" if base else "-"
         time_ratio = f"{ep['median'] / base['summary']['epoch_s']['median']:.3f}" if base else "-"
-        rows.append(f"{LABELS[variant]:34} {ips['median']:8.1f} ({ips['min']:.1f}–{ips['max']:.1f})"
+        rows.append(f"{label(report, variant):34} {ips['median']:8.1f} ({ips['min']:.1f}–{ips['max']:.1f})"
                     f" {ep['median']:7.2f} ({ep['min']:.2f}–{ep['max']:.2f}) {s['peak_mb']['median']:8.0f}"
                     f" {ratio:>8} {time_ratio:>7} {result['fraction_of_floor']:7.1%}"
                     f" {result['val_acc_mean']:10.3f} ({s['val_acc']['min']:.3f}–{s['val_acc']['max']:.3f})"
@@ -326,12 +389,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     parser.add_argument("--fast-precision", default=None, help="override fast.yaml's precision for c")
     parser.add_argument("--compile", action="store_true", help="c with torch.compile")
+    parser.add_argument("--ablate", action="append", default=[], metavar="SETTINGS",
+                        help="add a variant: c with these fast.yaml settings changed, e.g. "
+                             "'model.channels_last=false' or 'data.cache=false trainer.precision=32-true'")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--json", type=Path, default=None, help="also write the full results here")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if unknown := set(args.variants) - set(VARIANTS):
         raise ConfigError(f"--variants {sorted(unknown)} unknown; choose from {', '.join(VARIANTS)}.")
+    args.ablations, args.ablation_labels = {}, {}
+    for number, text in enumerate(args.ablate, start=1):
+        name = f"c{number}"
+        args.ablations[name] = parse_ablation(text)
+        args.ablation_labels[name] = " ".join(text.replace(",", " ").split())
+        args.variants.append(name)
     if args.repeats < 1 or args.epochs < 1:
         raise ConfigError(f"--repeats and --epochs must be at least 1, got {args.repeats} and {args.epochs}.")
     if args.synthetic:
@@ -353,7 +425,7 @@ def bench(args: argparse.Namespace) -> dict:
     _datamodule(args, cache=True).setup("fit")  # builds the cache (or finds it) outside the timed runs
     cache_build_s = time.perf_counter() - start
     runners = {"a": lambda workdir: run_plain(args, device)}
-    for variant in ("b", "b_cli", "c"):
+    for variant in ("b", "b_cli", "c", *args.ablations):
         runners[variant] = lambda workdir, v=variant: run_fit(args, device, v, workdir)
     runs = {v: [] for v in args.variants}
     floor_runs: dict[str, list[float]] = {}
@@ -370,12 +442,13 @@ def bench(args: argparse.Namespace) -> dict:
                 result["train_images_per_s"] = result["train_images"] / result["train_s"]
                 runs[variant].append(result)
                 print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
-                      f"epoch {result['epoch_s']:.2f} s, val acc {result['val_acc']:.3f}", file=sys.stderr, flush=True)
+                      f"epoch {result['epoch_s']:.2f} s, val acc {result['val_acc']:.3f}, train loss "
+                      f"{result['history'][-1]['train_loss']:.4f}", file=sys.stderr, flush=True)
             floor_now = compute_floor(args, device, probe.num_classes)
             for name, value in floor_now.items():
                 floor_runs.setdefault(name, []).append(value)
             for variant in args.variants:
-                key = _floor_key(variant, fast_precision if variant == "c" else "32")
+                key = _floor_key(args, variant)
                 runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[key]
             print(f"# repeat {repeat + 1}/{args.repeats} floor: " + ", ".join(
                 f"{name} {value:.1f}" for name, value in floor_now.items()) + " img/s", file=sys.stderr, flush=True)
@@ -387,7 +460,8 @@ def bench(args: argparse.Namespace) -> dict:
                    "limit_batches": args.limit_batches, "epochs": args.epochs, "seed": args.seed,
                    "data_dir": str(args.data_dir),
                    "train_images": len(probe.train_set), "val_images": len(probe.val_set),
-                   "fast_precision": fast_precision, "compile": args.compile, "torch": torch.__version__,
+                   "fast_precision": fast_precision, "compile": args.compile, "ablations": args.ablation_labels,
+                   "torch": torch.__version__,
                    "lightning": L.__version__, "cpu_count": os.cpu_count()},
         "cache_build_s": cache_build_s,
         "floor": floor,

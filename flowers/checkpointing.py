@@ -35,12 +35,20 @@ from flowers.errors import CheckpointWriteError, ConfigError
 HEAD_KEY = "net.classifier.6.weight"  # FlowerClassifier's last Linear: its rows are the classes
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` that leaves either the old file or the complete new one at ``path``, never a part."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Same folder: os.replace is then a rename within one filesystem, atomic on POSIX.
     handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    # mkstemp makes the file private (0600); give it what torch.save's plain open() would: 0666 less the umask.
+    os.fchmod(handle, 0o666 & ~_umask())
     file = _WriteErrorRecorder(os.fdopen(handle, "wb"))
     try:
         with file:
@@ -131,13 +139,15 @@ class LastEveryEpoch(ModelCheckpoint):
 
     Lightning 2.6 refreshes ``last.ckpt`` only when a top-k checkpoint was saved at the same step: with
     ``monitor=val/acc`` and ``save_top_k=1`` an epoch that does not improve leaves ``last.ckpt`` at the best
-    epoch, and a resume after a kill would silently repeat the epochs since then.
+    epoch, and a resume after a kill would silently repeat the epochs since then. With
+    ``check_val_every_n_epoch`` > 1 it saves only after validation, so ``last.ckpt`` fell up to N epochs
+    behind: epochs that do not validate refresh it at their end.
     """
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
+        if self._should_save_on_train_epoch_end(trainer) or not _validates_this_epoch(trainer):
             self._refresh_last(trainer)
 
     @override
@@ -150,6 +160,13 @@ class LastEveryEpoch(ModelCheckpoint):
         # Skipped when Lightning saved at this step already (then last.ckpt is fresh) or outside fitting.
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _validates_this_epoch(trainer: L.Trainer) -> bool:
+    # Lightning's own rule (the fit loop validates at the end of every N-th epoch); by train epoch end that
+    # validation has already run, and on_validation_end refreshed last.ckpt.
+    every = trainer.check_val_every_n_epoch
+    return every is None or (trainer.current_epoch + 1) % every == 0
 
 
 class RNGStateCheckpoint(L.Callback):

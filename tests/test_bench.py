@@ -48,7 +48,28 @@ def test_bench_trains_several_epochs_and_reports_the_last_accuracy(in_tmp, tiny_
         assert [run["train_images"] for run in result["runs"]] == [16, 16]  # 2 epochs of 2 batches of 4
         accuracies = [run["val_acc"] for run in result["runs"]]
         assert result["val_acc_mean"] == sum(accuracies) / 2
+        for run in result["runs"]:  # one entry per epoch, the last one the run's final accuracy
+            assert len(run["history"]) == 2 and run["history"][-1]["val_acc"] == run["val_acc"]
+            assert all(entry["train_loss"] > 0 for entry in run["history"])
     assert report["variants"]["c"]["runs"][0]["workers"] == 0  # the cache path on CPU loads in-process
+
+
+def test_bench_ablations_run_c_with_the_named_settings_changed(in_tmp, tiny_synthetic, capsys):
+    out = in_tmp / "bench.json"
+    assert main(["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
+                 "--limit-batches", "1", "--repeats", "1", "--floor-steps", "1", "--warmup-batches", "0",
+                 "--variants", "c", "--ablate", "model.channels_last=false",
+                 "--ablate", "data.cache=false trainer.precision=32-true model.fused_optimizer=false",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "c1 c with model.channels_last=false" in printed
+    assert "c2 c with data.cache=false trainer.precision=32-true model.fused_optimizer=false" in printed
+    variants = json.loads(out.read_text())["variants"]
+    used = {name: result["runs"][0]["used"] for name, result in variants.items()}
+    assert used["c"] == {"precision": "bf16-mixed", "cache": True, "channels_last": True, "fused_optimizer": True,
+                         "eval_batch_size": 128}
+    assert used["c1"] == {**used["c"], "channels_last": False}
+    assert used["c2"] == {**used["c"], "precision": "32-true", "cache": False, "fused_optimizer": False}
 
 
 def test_bench_refuses_a_missing_data_dir_and_unknown_variants(in_tmp, capsys):
@@ -56,6 +77,8 @@ def test_bench_refuses_a_missing_data_dir_and_unknown_variants(in_tmp, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["--data-dir", str(in_tmp), "--variants", "a,z"]) == 2
     assert "unknown" in capsys.readouterr().err
+    assert main(["--data-dir", str(in_tmp), "--ablate", "model.colour=red"]) == 2
+    assert "--ablate 'model.colour=red': expected SECTION.NAME=VALUE" in capsys.readouterr().err
 
 
 def test_bench_is_a_module_and_a_make_target():

@@ -107,6 +107,17 @@ def test_kill_9_leaves_a_loadable_last_ckpt_and_the_run_resumes(moment, in_tmp, 
     assert (final["epoch"], final["global_step"]) == (1, 6)
 
 
+def test_a_checkpoint_gets_the_permissions_a_plain_save_would(tmp_path):
+    # The temporary file it is renamed from is private (mkstemp's 0600): others in the group could not read it.
+    previous = os.umask(0o027)
+    try:
+        atomic_torch_save({"step": torch.tensor(1)}, tmp_path / "last.ckpt")
+        torch.save({"step": torch.tensor(1)}, tmp_path / "plain.ckpt")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "last.ckpt").stat().st_mode & 0o777 == (tmp_path / "plain.ckpt").stat().st_mode & 0o777 == 0o640
+
+
 def test_an_exception_inside_the_write_keeps_the_previous_file_and_cleans_up(tmp_path, monkeypatch):
     target = tmp_path / "last.ckpt"
     atomic_torch_save({"step": torch.tensor(1)}, target)

@@ -117,3 +117,15 @@ def test_a_resume_runs_as_its_command_says_but_keeps_the_checkpoints_model(runs,
     assert isinstance(optimizer, torch.optim.Adam) and optimizer.param_groups[0]["lr"] == pytest.approx(0.001 * 0.5**5)
     assert optimizer.param_groups[0]["fused"] is True
     assert all(float(state["step"]) == 15 for state in optimizer.state.values())  # 12 saved steps + 3 more
+
+
+def test_last_checkpoint_follows_epochs_that_do_not_validate(in_tmp, tiny_synthetic):
+    # check_val_every_n_epoch=3: Lightning alone saves only after validating, so a kill in epoch 3 would
+    # have found no last.ckpt at all.
+    cli = cli_main(["fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", "--trainer.max_epochs=4",
+                    "--trainer.check_val_every_n_epoch=3", "--trainer.limit_train_batches=2",
+                    "--trainer.limit_val_batches=1"])
+    checkpoints = in_tmp / cli.trainer.checkpoint_callback.dirpath
+    saved = torch.load(checkpoints / "last.ckpt", weights_only=True, map_location="cpu")
+    assert (saved["epoch"], saved["global_step"]) == (3, 8)
+    assert [p.name.split("-val_acc")[0] for p in checkpoints.glob("best-*.ckpt")] == ["best-epoch=02"]
