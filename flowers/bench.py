@@ -10,7 +10,9 @@ In one process, on the same images, split, model, optimizer (Adam 2e-4), batch s
 * ``c``: ``fit`` with ``configs/fast.yaml`` (cache + batched augmentation, bf16-mixed, channels_last,
   the fused optimizer step, larger eval batch, pinned memory on CUDA).
 
-Each variant is warmed up, then run ``--repeats`` times, alternating, one full epoch each. The table gives
+Each variant is warmed up, then run ``--repeats`` times, alternating, one full epoch each; every other
+repeat runs them in reverse order (a b c, c b a, …), so a machine that drifts within a repeat does not
+always favour the same variant. The table gives
 medians (min–max) and each ratio to ``a``; the compute floor (train steps on tensors already in
 memory) and the loaders alone say how close each variant gets to what the hardware allows. The floor
 is measured in every repeat, right after the variants, and each run is compared with its own repeat's
@@ -436,7 +438,7 @@ def bench(args: argparse.Namespace) -> dict:
             # Warm-up: allocator, oneDNN kernel choice, page cache, Lightning's first imports.
             (run_plain(warm, device) if variant == "a" else run_fit(warm, device, variant, Path(tmp)))
         for repeat in range(args.repeats):
-            for variant in args.variants:
+            for variant in args.variants if repeat % 2 == 0 else args.variants[::-1]:
                 torch.manual_seed(args.seed + repeat)
                 result = runners[variant](Path(tmp) / f"{variant}-{repeat}")
                 result["train_images_per_s"] = result["train_images"] / result["train_s"]

@@ -44,6 +44,9 @@ def test_bench_trains_several_epochs_and_reports_the_last_accuracy(in_tmp, tiny_
                  "--warmup-batches", "0", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["config"]["epochs"] == 2
+    order = [line.split(":")[0] for line in capsys.readouterr().err.splitlines() if line.startswith("# repeat")]
+    assert order == ["# repeat 1/2 a", "# repeat 1/2 c", "# repeat 1/2 floor",
+                     "# repeat 2/2 c", "# repeat 2/2 a", "# repeat 2/2 floor"]  # every other repeat reversed
     for result in report["variants"].values():
         assert [run["train_images"] for run in result["runs"]] == [16, 16]  # 2 epochs of 2 batches of 4
         accuracies = [run["val_acc"] for run in result["runs"]]
