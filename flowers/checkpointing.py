@@ -165,6 +165,9 @@ class LastEveryEpoch(ModelCheckpoint):
 def _validates_this_epoch(trainer: L.Trainer) -> bool:
     # Lightning's own rule (the fit loop validates at the end of every N-th epoch); by train epoch end that
     # validation has already run, and on_validation_end refreshed last.ckpt.
+    batches = trainer.num_val_batches
+    if not (sum(batches) if isinstance(batches, list) else batches):
+        return False  # no validation data (limit_val_batches=0): nothing runs on_validation_end
     every = trainer.check_val_every_n_epoch
     return every is None or (trainer.current_epoch + 1) % every == 0
 

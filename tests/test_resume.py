@@ -129,3 +129,11 @@ def test_last_checkpoint_follows_epochs_that_do_not_validate(in_tmp, tiny_synthe
     saved = torch.load(checkpoints / "last.ckpt", weights_only=True, map_location="cpu")
     assert (saved["epoch"], saved["global_step"]) == (3, 8)
     assert [p.name.split("-val_acc")[0] for p in checkpoints.glob("best-*.ckpt")] == ["best-epoch=02"]
+
+
+def test_last_checkpoint_follows_every_epoch_without_validation_data(in_tmp, tiny_synthetic):
+    cli = cli_main(["fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", "--trainer.max_epochs=2",
+                    "--trainer.check_val_every_n_epoch=2", "--trainer.limit_train_batches=2",
+                    "--trainer.limit_val_batches=0"])
+    saved = torch.load(in_tmp / cli.trainer.checkpoint_callback.dirpath / "last.ckpt", weights_only=True)
+    assert (saved["epoch"], saved["global_step"]) == (1, 4)
