@@ -36,7 +36,15 @@ HEAD_KEY = "net.classifier.6.weight"  # FlowerClassifier's last Linear: its rows
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # the only way to read it is to set it; put it straight back
+    # Linux shows it in /proc without changing it; elsewhere it can only be read by setting it, which
+    # briefly races other threads creating files (TensorBoard's writer), so that is the fallback.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
