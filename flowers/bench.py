@@ -196,7 +196,7 @@ def fast_settings() -> dict:
 # What an ablation may change: the settings fast.yaml's sections feed (the bench builds the Trainer,
 # module and datamodule itself, so a key outside these would be silently ignored).
 ABLATABLE = {"trainer": {"precision"},
-             "model": {"channels_last", "compile", "fused_optimizer"},
+             "model": {"channels_last", "compile", "compile_mode", "fused_optimizer"},
              "data": set(inspect.signature(FlowerDataModule).parameters) - {"data_dir"}}
 
 
@@ -299,18 +299,11 @@ def loader_alone(args, device: torch.device) -> dict:
         for batch in _limited(datamodule.train_dataloader(), args.limit_batches):
             if name == "cache":
                 batch = [x.to(device, non_blocking=True) for x in batch]
-                batch = _train_augment(datamodule, batch)
+                batch = datamodule.on_after_batch_transfer(batch, 0)  # what fit does to each batch
             seen += len(batch[1])
         _sync(device)
         results[name] = seen / (time.perf_counter() - start)
     return results
-
-
-def _train_augment(datamodule: FlowerDataModule, batch):
-    from flowers.data.batch_augment import train_batch
-
-    squares, labels, sizes = batch
-    return train_batch(squares, sizes, crop_size=datamodule.image_size, scale=datamodule.crop_scale), labels
 
 
 # -- the report -----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ LOG_DIR = "runs"  # every run's TensorBoard logs, config.yaml and checkpoints li
 LIGHTNING_CKPT_ALIASES = {"best", "hpc", "registry"}  # "last" is resolved here, see _resolve_last
 DDP_TIMEOUT_S = 600.0
 # FlowerClassifier arguments that change how a model runs, not what it computes: on resume they follow the command.
-RUNTIME_MODEL_KEYS = ("channels_last", "compile", "fused_optimizer")
+RUNTIME_MODEL_KEYS = ("channels_last", "compile", "compile_mode", "fused_optimizer")
 
 
 class FlowersCLI(LightningCLI):

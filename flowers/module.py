@@ -62,6 +62,10 @@ class FlowerClassifier(L.LightningModule):
             (most of all under bf16); the state_dict is unchanged.
         compile: ``torch.compile`` the network (in place, so checkpoint keys stay ``net.…``); the first
             steps are slow while it compiles.
+        compile_mode: torch.compile's ``mode``: "reduce-overhead" replays the network's forward and
+            backward as CUDA graphs, one launch where the seed's batch of 32 takes about 150 (on a large GPU
+            such a batch is bound by launches, not arithmetic); "max-autotune" also tries kernels.
+            Unset: torch's default. On CPU there are no CUDA graphs and the modes compile alike.
         fused_optimizer: run the optimizer's step as torch's fused kernel (Adam, AdamW, SGD and others
             that take ``fused=True``, on CPU and CUDA): the same update, in one pass over the parameters
             instead of several per tensor. An optimizer without a fused kernel is kept as it is.
@@ -83,6 +87,7 @@ class FlowerClassifier(L.LightningModule):
         scheduler_interval: str = "epoch",
         channels_last: bool = False,
         compile: bool = False,
+        compile_mode: str | None = None,
         fused_optimizer: bool = False,
         eval_hflip: bool = False,
     ) -> None:
@@ -96,7 +101,7 @@ class FlowerClassifier(L.LightningModule):
         if channels_last:
             self.net.to(memory_format=torch.channels_last)
         if compile:
-            self.net.compile()
+            self.net.compile(mode=compile_mode)
         self.loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler

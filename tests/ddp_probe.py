@@ -21,6 +21,10 @@ class Probe(L.Callback):
         self.train_orders: list[list[int]] = []
         self.sampler_epochs: list[int] = []
         self.eval_batch_sizes: list[int] = []
+        self.train_image_sides: set[int] = set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.train_image_sides.add(int(batch[0].shape[-1]))  # the batch as the model gets it
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         sampler = trainer.train_dataloader.sampler
@@ -47,6 +51,8 @@ class Probe(L.Callback):
             "sampler_epochs": self.sampler_epochs,
             "train_orders": self.train_orders,
             "eval_batch_sizes": self.eval_batch_sizes,
+            "train_image_sides": sorted(self.train_image_sides),
+            "train_collate": type(trainer.train_dataloader.collate_fn).__name__ if trainer.train_dataloader else None,
             "eval_sampler": type(sampler).__name__,
             "eval_shard": [int(i) for i in sampler] if sampler is not None else None,
             "split": _split(trainer.datamodule),

@@ -158,3 +158,55 @@ def test_batched_crop_gives_the_per_image_crops_pixels():
     torch.testing.assert_close(_crop_batched(squares[:, :, :224, :224], whole, 224), squares[:, :, :224, :224].float())
     halved = _crop_batched(squares[:, :, :224, :224], whole, 112)
     torch.testing.assert_close(halved, torch.nn.functional.avg_pool2d(squares[:, :, :224, :224].float(), 2))
+
+
+def test_the_training_loader_draws_each_images_view_reproducibly():
+    # The loader's collate draws the boxes and flips on the host, with torch's generator: in a worker
+    # too (each seeded from the main process's generator), so the same seed gives the same views.
+    from torch.utils.data import DataLoader
+
+    from flowers.data.batch_augment import WithTrainViews
+
+    items = [(torch.full((3, 40, 40), i, dtype=torch.uint8), i % 5, torch.tensor([30 + i, 60])) for i in range(16)]
+    views = WithTrainViews(side=40, scale=(0.08, 1.0))
+
+    def draw(workers: int):
+        torch.manual_seed(7)
+        return list(DataLoader(items, batch_size=8, num_workers=workers, collate_fn=views))
+
+    for workers in (0, 2):
+        first, again = draw(workers), draw(workers)
+        for (squares, labels, boxes, flip), (_, _, boxes_again, flip_again) in zip(first, again, strict=True):
+            assert squares.shape == (8, 3, 40, 40) and labels.shape == (8,)
+            assert boxes.dtype == torch.int64 and flip.dtype == torch.bool
+            assert torch.equal(boxes, boxes_again) and torch.equal(flip, flip_again)
+            top, left, height, width = boxes.unbind(1)
+            assert (top >= 0).all() and (left >= 0).all() and (height >= 1).all() and (width >= 1).all()
+            assert (top + height <= 40).all() and (left + width <= 40).all()
+        assert not torch.equal(first[0][2], first[1][2])  # each batch its own draw
+
+
+def test_a_gpu_batch_is_a_handful_of_operations_with_no_host_data():
+    # On a GPU each operation is a kernel launch, and the seed's batch of 32 is bound by launches. The
+    # views come from the loader; the device only gathers, crops, flips and normalises: no random draws
+    # there, and no tensor built from host data (a blocking copy that waits for the GPU's queue).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flowers.data.batch_augment import WithTrainViews, crop_flip_normalise
+
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cache = torch.randint(0, 256, (50, 3, 64, 64), dtype=torch.uint8)  # the cache held on the device
+    items = [(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]
+    indices, _, boxes, flip = WithTrainViews(side=64)(items)
+    crop_flip_normalise(cache[indices], boxes, flip, crop_size=56, batched=True)  # first call builds constants
+    with Record():
+        images = crop_flip_normalise(cache[indices], boxes, flip, crop_size=56, channels_last=True, batched=True)
+    assert images.shape == (32, 3, 56, 56) and images.is_contiguous(memory_format=torch.channels_last)
+    assert not {"rand", "uniform_", "lift_fresh", "_local_scalar_dense"} & set(ops), ops
+    assert len(ops) <= 16, ops  # was 102 with the boxes drawn on the device

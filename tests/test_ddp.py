@@ -135,6 +135,24 @@ def test_ddp_two_cpu_processes_write_once_reshuffle_and_sync(tmp_path, tiny_synt
         assert ranks[0]["metrics"][key] == pytest.approx(ranks[1]["metrics"][key], abs=1e-6), key
 
 
+@pytest.mark.slow
+def test_ddp_with_the_cache_trains_on_the_loaders_random_views(tmp_path, tiny_synthetic):
+    # Lightning rebuilds each rank's training loader around a DistributedSampler. The rebuilt loader must
+    # keep the collate that draws each image's crop and flip: without it a cached batch would reach the
+    # model as evaluation squares, un-augmented, and nothing would fail.
+    probe = tmp_path / "probe"
+    flowers(["fit", *TINY, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+             "--trainer.limit_val_batches=1", "--data.cache=true", "--data.eval_image_size=80",
+             f"--data.data_dir={tiny_synthetic}", "--trainer.callbacks+=tests.ddp_probe.Probe",
+             f"--trainer.callbacks.out_dir={probe}"], tmp_path)
+    ranks = probes(probe, "fit")
+    assert sorted(ranks) == [0, 1]
+    for record in ranks.values():
+        assert record["train_collate"] == "WithTrainViews"
+        assert record["train_image_sides"] == [64]  # the training crops, not the 80-px evaluation squares
+    assert ranks[0]["train_orders"][0] != ranks[1]["train_orders"][0]  # each rank its own shard
+
+
 @pytest.fixture
 def eleven_val_images(tmp_path) -> Path:
     root = tmp_path / "odd"

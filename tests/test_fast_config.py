@@ -31,9 +31,9 @@ def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
     # Batches are built in the model's layout, and on CPU by the training process itself.
     assert FlowerDataModule(str(data), cache=True).num_workers == 0
     assert FlowerDataModule(str(data)).num_workers == min(os.cpu_count(), 32, 8)
-    squares, labels, sizes = next(iter(cli.datamodule.train_dataloader()))
-    trainer.training = True
-    images, _ = cli.datamodule.on_after_batch_transfer((squares, labels, sizes), 0)
+    squares, labels, boxes, flip = next(iter(cli.datamodule.train_dataloader()))  # views drawn by the loader
+    assert squares.dtype == torch.uint8 and boxes.shape == (len(labels), 4) and flip.dtype == torch.bool
+    images, _ = cli.datamodule.on_after_batch_transfer((squares, labels, boxes, flip), 0)
     assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
     assert len(list((data / CACHE_FOLDER).iterdir())) == 2  # the cache and its lock file
     assert Path(trainer.checkpoint_callback.last_model_path).is_file()
@@ -63,6 +63,19 @@ def test_compile_and_channels_last_keep_the_checkpoint_keys():
     assert fast["net.features.0.weight"].is_contiguous(memory_format=torch.channels_last)
 
 
+def test_compile_mode_reaches_torch_compile(monkeypatch):
+    # "reduce-overhead" (CUDA graphs) is the mode that matters on a GPU, which CI lacks: check it is the
+    # mode torch.compile is given (it compiles lazily, at the first forward), and unset means torch's default.
+    from flowers.module import FlowerClassifier
+
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, *args, mode=None, **kwargs: modes.append(mode) or fn)
+    FlowerClassifier(5, compile=True, compile_mode="reduce-overhead")
+    FlowerClassifier(5, compile=True)
+    FlowerClassifier(5, compile_mode="reduce-overhead")  # ignored without compile
+    assert modes == ["reduce-overhead", None]
+
+
 @pytest.mark.parametrize("cache", [False, True])
 def test_eval_image_size_sets_the_validation_squares_only(in_tmp, cache):
     from flowers.data.cache import cache_side
@@ -78,6 +91,9 @@ def test_eval_image_size_sets_the_validation_squares_only(in_tmp, cache):
     assert module.on_after_batch_transfer(val, 0)[0].shape[-2:] == (80, 80)
     if cache:  # one cache, large enough for the bigger of the two
         assert module.train_set.cache.pixels.shape[-1] == cache_side(80)
+        module.trainer.training = True  # a training batch without its views is an error, not an eval batch
+        with pytest.raises(RuntimeError, match="WithTrainViews"):
+            module.on_after_batch_transfer(val, 0)
     assert FlowerDataModule(str(data), image_size=64).eval_image_size == 64
     with pytest.raises(ConfigError, match="data.eval_image_size=32 is too small"):
         FlowerDataModule(str(data), image_size=64, eval_image_size=32)

@@ -1,8 +1,10 @@
 """The seed's augmentation and eval resize, on batches of cached uint8 squares, on the batch's device.
 
-torchvision's RandomResizedCrop draws one box per call on one image; here one call draws a box per
-image of the batch with the same rule (vectorised, so it runs on the GPU without a per-image sync),
-then crops and resizes, flips and normalises the whole batch at once.
+torchvision's RandomResizedCrop draws one box per call on one image; here one call draws a box and a
+flip per image of the batch with the same rule (vectorised), on the host, in the training loader
+(``WithTrainViews``); then, on the training device, the whole batch is cropped and resized, flipped and
+normalised at once. Drawing on the host keeps about 90 tiny operations a batch off the GPU, where each
+would be a kernel launch, and launches, not arithmetic, bound the seed's batch of 32 on a large GPU.
 
 The crop and resize is done two ways, by device. On CPU, each image goes through torchvision's uint8
 ``resized_crop`` (its fast path: about 0.2 ms an image at 224 px on this project's 2-core CPU). On CUDA,
@@ -20,10 +22,12 @@ normalise and then a float channels_last copy in the model's forward.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import torch
+from torch.utils.data import default_collate
 from torchvision.ops import roi_align
 from torchvision.transforms.v2 import functional as F
 
@@ -72,6 +76,14 @@ def sample_crop_boxes(
     return torch.stack([top, left, h, w], dim=1)
 
 
+@functools.lru_cache(maxsize=16)
+def _normalisation(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    # Built once per device: torch.tensor(..., device="cuda") is a blocking host-to-device copy, and two of
+    # them per batch made the host wait for the GPU to drain its queue before every training step.
+    mean_t, std_t = (torch.tensor(v, device=device).view(1, -1, 1, 1) for v in (mean, std))
+    return 1 / (255 * std_t), -mean_t / std_t
+
+
 def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
                channels_last: bool) -> torch.Tensor:
     # ToTensor's /255 and Normalize folded into shift + x * scale, one addcmul straight from uint8 (type
@@ -79,9 +91,48 @@ def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]
     # instead of 7.5 for 32 images of 224 px on 2 threads. float32, not bf16: CPUs without native bf16
     # elementwise kernels are 3x slower at it, and autocast casts the first conv's input anyway.
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    mean_t, std_t = (torch.tensor(v, device=images.device).view(1, -1, 1, 1) for v in (mean, std))
-    scale, shift = 1 / (255 * std_t), -mean_t / std_t
+    scale, shift = _normalisation(tuple(mean), tuple(std), images.device)
     return torch.addcmul(shift, images.contiguous(memory_format=layout), scale)
+
+
+def draw_train_views(
+    sizes: torch.Tensor, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = SEED_RATIO,
+    hflip_prob: float = 0.5, generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each image's random view: its crop box on the ``side``² square its original (of ``sizes``) was
+    squashed into, as int64 ``(top, left, height, width)``, and whether it is flipped (None: never).
+
+    Drawn on the host, by the training loader (see ``WithTrainViews``): about 90 small tensor operations
+    a batch, each a kernel launch if done on a GPU, where launches, not arithmetic, bound a small batch.
+    """
+    boxes = sample_crop_boxes(sizes, scale=scale, ratio=ratio, generator=generator)
+    # Map each box from the original's pixels onto the square it was squashed into.
+    factors = side / sizes.double().repeat(1, 2)
+    boxes = (boxes * factors).round().long().clamp(min=0)
+    boxes[:, 2:] = boxes[:, 2:].clamp(min=1)
+    flip = None
+    if hflip_prob > 0:
+        flip = torch.rand(len(boxes), generator=generator, device=boxes.device) < hflip_prob
+    return boxes, flip
+
+
+def crop_flip_normalise(
+    squares: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor | None, *, crop_size: int,
+    mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD, channels_last: bool = False,
+    batched: bool | None = None,
+) -> torch.Tensor:
+    """The views of ``draw_train_views`` cut from ``N × 3 × S × S`` uint8 squares: float ``N × 3 × c × c``,
+    in channels_last memory order if asked (for a channels_last model, which would otherwise copy it).
+    ``batched``: crop with one ``roi_align`` instead of per image; unset, on CUDA."""
+    if batched is None:
+        batched = squares.is_cuda
+    crops = _crop_batched(squares, boxes, crop_size) if batched else _crop_each(squares, boxes, crop_size)
+    if flip is not None:
+        if batched:  # no boolean indexing: its output size would need a host sync
+            crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
+        else:
+            crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
+    return _normalise(crops, mean, std, channels_last=channels_last)
 
 
 def train_batch(
@@ -90,25 +141,36 @@ def train_batch(
     mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD, generator: torch.Generator | None = None,
     channels_last: bool = False, batched: bool | None = None,
 ) -> torch.Tensor:
-    """``train_transform`` on ``N × 3 × S × S`` uint8 squares of originals of ``sizes``: float ``N × 3 × c × c``,
-    in channels_last memory order if asked (for a channels_last model, which would otherwise copy it).
-    ``batched``: crop with one ``roi_align`` instead of per image; unset, on CUDA."""
-    side = squares.shape[-1]
-    boxes = sample_crop_boxes(sizes, scale=scale, ratio=ratio, generator=generator)
-    # Map each box from the original's pixels onto the square it was squashed into.
-    factors = side / sizes.double().repeat(1, 2)
-    boxes = (boxes * factors).round().long().clamp(min=0)
-    boxes[:, 2:] = boxes[:, 2:].clamp(min=1)
-    if batched is None:
-        batched = squares.is_cuda
-    crops = _crop_batched(squares, boxes, crop_size) if batched else _crop_each(squares, boxes, crop_size)
-    if hflip_prob > 0:
-        flip = torch.rand(len(crops), generator=generator, device=crops.device) < hflip_prob
-        if batched:  # no boolean indexing: its output size would need a host sync
-            crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
-        else:
-            crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
-    return _normalise(crops, mean, std, channels_last=channels_last)
+    """``train_transform`` on ``N × 3 × S × S`` uint8 squares of originals of ``sizes``: ``draw_train_views``
+    then ``crop_flip_normalise``, in one call."""
+    boxes, flip = draw_train_views(sizes, side=squares.shape[-1], scale=scale, ratio=ratio, hflip_prob=hflip_prob,
+                                   generator=generator)
+    if flip is not None:
+        flip = flip.to(squares.device)
+    return crop_flip_normalise(squares, boxes.to(squares.device), flip, crop_size=crop_size, mean=mean, std=std,
+                               channels_last=channels_last, batched=batched)
+
+
+class WithTrainViews:
+    """``collate_fn`` of the cached training loader: the default collate of ``(square or index, label,
+    original size)`` items, with the original sizes replaced by each image's view (``draw_train_views``):
+    ``(squares or indices, labels, boxes, flip)``.
+
+    On the host, so a GPU gets only the crop itself; in the loader's workers when there are any (each
+    seeded by torch, so a run stays reproducible), else in the training process.
+    """
+
+    def __init__(self, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = SEED_RATIO,
+                 hflip_prob: float = 0.5) -> None:
+        self.side, self.scale, self.ratio, self.hflip_prob = side, tuple(scale), tuple(ratio), hflip_prob
+
+    def __call__(self, items: list) -> tuple:
+        squares, labels, sizes = default_collate(items)
+        boxes, flip = draw_train_views(sizes, side=self.side, scale=self.scale, ratio=self.ratio,
+                                       hflip_prob=self.hflip_prob)
+        if flip is None:  # a collated batch holds tensors only
+            flip = torch.zeros(len(boxes), dtype=torch.bool)
+        return squares, labels, boxes, flip
 
 
 def _crop_each(squares: torch.Tensor, boxes: torch.Tensor, crop_size: int) -> torch.Tensor:

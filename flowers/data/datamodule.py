@@ -208,19 +208,27 @@ class FlowerDataModule(L.LightningDataModule):
             self.test_set = LabelledImages(self._labelled(root / "test"), self._eval_transform())
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        # Cached batches arrive as uint8 squares plus the originals' sizes; here, on the training
-        # device, they become what the PIL transforms would have produced.
-        if not (isinstance(batch, (list, tuple)) and len(batch) == 3 and batch[0].dtype in (torch.uint8, torch.int64)):
+        # Cached batches arrive as uint8 squares (or indices into the cache on this device): a training
+        # batch with each image's crop box and flip, drawn by the loader (batch_augment.WithTrainViews),
+        # an evaluation batch with the originals' sizes. Here, on the training device, they become what
+        # the PIL transforms would have produced.
+        if not (isinstance(batch, (list, tuple)) and len(batch) in (3, 4)
+                and batch[0].dtype in (torch.uint8, torch.int64)):
             return batch
-        squares, labels, sizes = batch
+        squares, labels = batch[0], batch[1]
         if squares.dtype == torch.int64:  # indices into the cache held on this device
             squares = self._device_pixels[squares]
         # Built in the model's memory order: a channels_last model would otherwise copy every float batch.
         module = self.trainer.lightning_module if self.trainer is not None else None
         channels_last = bool(getattr(module, "channels_last", False))
-        if self.trainer is not None and self.trainer.training:
-            images = batch_augment.train_batch(squares, sizes, crop_size=self.image_size, scale=self.crop_scale,
-                                               channels_last=channels_last)
+        if len(batch) == 4:
+            boxes, flip = batch[2], batch[3]
+            images = batch_augment.crop_flip_normalise(squares, boxes, flip, crop_size=self.image_size,
+                                                       channels_last=channels_last)
+        elif self.trainer is not None and self.trainer.training:
+            # Silently evaluation squares, un-augmented, if a rebuilt training loader dropped WithTrainViews.
+            raise RuntimeError("A cached training batch came without its crop boxes: the training DataLoader "
+                               "lost its collate_fn, flowers.data.batch_augment.WithTrainViews.")
         else:
             images = batch_augment.eval_batch(squares, crop_size=self.eval_image_size, channels_last=channels_last)
         return images, labels
@@ -292,7 +300,7 @@ class FlowerDataModule(L.LightningDataModule):
     def _on_cuda(self) -> bool:
         return self.trainer is not None and self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
 
-    def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None) -> DataLoader:
+    def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None, collate_fn=None) -> DataLoader:
         workers = self.num_workers
         pin = self._on_cuda() and self._device_pixels is None if self.pin_memory is None else self.pin_memory
         return DataLoader(
@@ -303,10 +311,14 @@ class FlowerDataModule(L.LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=pin,
+            collate_fn=collate_fn,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, batch_size=self.batch_size, shuffle=True)
+        views = None
+        if isinstance(self.train_set, CachedImages):
+            views = batch_augment.WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale)
+        return self._loader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=views)
 
     def _eval_sampler(self, dataset):
         # Lightning's default DistributedSampler pads the last shard with repeated images, which skews

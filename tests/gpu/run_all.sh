@@ -5,9 +5,12 @@
 #    compute floor and loaders, on CUDA (issue 5's GPU targets: c >= 5x a, c >= 50 % of the floor);
 # 2. tests/gpu/check_modes.sh: one GPU fp32/bf16, auto, dp (fp16, bf16, two replicas on GPU 0), ddp if 2+ GPUs;
 # 3. val accuracy after 10 epochs, a vs c, over 4 seeds (cheap here, slow on 2 CPU cores), and c in fp32;
-# 4. (only when named in STEPS) "ablate": c against c with one setting changed each (torch.compile on, the
-#    cache in host memory, fp32, no channels_last), the speed share of each; "accuracy_ablate": the 10-epoch
-#    accuracy of c against c on the PIL loader (data.cache=false), 4 seeds.
+# 4. (only when named in STEPS) "ablate": c against c with one setting changed each (torch.compile on, in
+#    the default mode and with CUDA graphs, the cache in host memory, fp32, no channels_last), the speed
+#    share of each; "accuracy_ablate": the 10-epoch accuracy of c against c on the PIL loader
+#    (data.cache=false), 4 seeds; "profile": where the host's time goes in each training step of the CLI's
+#    fit with fast.yaml and with the seed's settings (Lightning's simple profiler: on a GPU its times are
+#    the host's, which bounds a launch-bound step).
 # STEPS picks a subset, e.g. STEPS="bench accuracy" (default: steps 1-3).
 # Each part has its own time limit and writes its output to $RESULTS as it goes, so a part that runs
 # out of time still leaves the others' results.
@@ -22,6 +25,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$ROOT"
 
 STEPS=${STEPS:-bench modes accuracy accuracy_fp32}
+[[ " $STEPS " == *" profile "* ]] && STEPS="$STEPS profile_fast profile_seed"
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, output to the console and $RESULTS/NAME.txt
     local name=$1 seconds=$2
     shift 2
@@ -50,7 +54,16 @@ step accuracy "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --v
 step accuracy_fp32 "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 4 --epochs 10 \
     --warmup-batches 0 --fast-precision 32-true --json "$RESULTS/accuracy_fp32.json"
 step ablate "${ABLATE_S:-300}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 2 --epochs 3 \
-    --ablate model.compile=true --ablate data.cache_on_device=false --ablate trainer.precision=32-true \
+    --ablate model.compile=true --ablate "model.compile=true model.compile_mode=reduce-overhead" \
+    --ablate data.cache_on_device=false --ablate trainer.precision=32-true \
     --ablate model.channels_last=false --json "$RESULTS/ablate.json"
 step accuracy_ablate "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 4 \
     --epochs 10 --warmup-batches 0 --ablate data.cache=false --json "$RESULTS/accuracy_ablate.json"
+PROFILE_DIR=$(mktemp -d -t flowers-gpu-profile-XXXXXX)
+for config in fast seed; do  # c's and b's settings through the CLI (with its logger and callbacks)
+    configs="--config $ROOT/configs/seed.yaml"
+    [ "$config" = fast ] && configs="$configs --config $ROOT/configs/fast.yaml"
+    step "profile_$config" "${PROFILE_S:-120}" bash -c "cd '$PROFILE_DIR' && '$PY' -m flowers fit $configs \
+        --data.data_dir '$DATA' --trainer.max_epochs=1 --trainer.limit_val_batches=2 --trainer.profiler=simple 2>&1 \
+        | grep -A 24 'FIT Profiler Report'"
+done
