@@ -5,13 +5,15 @@
 #    compute floor and loaders, on CUDA (issue 5's GPU targets: c >= 5x a, c >= 50 % of the floor);
 # 2. tests/gpu/check_modes.sh: one GPU fp32/bf16, auto, dp (fp16, bf16, two replicas on GPU 0), ddp if 2+ GPUs;
 # 3. val accuracy after 10 epochs, a vs c, over 4 seeds (cheap here, slow on 2 CPU cores), and c in fp32;
-# 4. (only when named in STEPS) "ablate": c against c with one setting changed each (torch.compile on, in
-#    the default mode and with CUDA graphs, the cache in host memory, fp32, no channels_last), the speed
-#    share of each; "accuracy_ablate": the 10-epoch accuracy of c against c on the PIL loader
-#    (data.cache=false), 4 seeds; "profile": where the host's time goes in each training step of the CLI's
-#    fit with fast.yaml and with the seed's settings (Lightning's simple profiler: on a GPU its times are
-#    the host's, which bounds a launch-bound step).
-# STEPS picks a subset, e.g. STEPS="bench accuracy" (default: steps 1-3).
+# 4. (only when named in STEPS) "ablate": c against c with one setting changed each (torch.compile with
+#    CUDA graphs and in its default mode, the cache in host memory; ABLATE_MORE adds --ablate flags, e.g.
+#    ABLATE_MORE="--ablate trainer.precision=32-true"), the speed share of each; "accuracy_ablate": the
+#    10-epoch accuracy of c against c on the PIL loader (data.cache=false), 4 seeds; "profile": where the
+#    host's time goes in each training step of the CLI's fit with fast.yaml and with the seed's settings
+#    (Lightning's simple profiler: on a GPU its times are the host's, which bounds a launch-bound step).
+# STEPS picks a subset, e.g. STEPS="bench accuracy" (default: steps 1-3). A device session has about 12
+# minutes of commands in 10-minute calls: e.g. STEPS="bench ablate" in one call, STEPS="profile
+# accuracy_ablate" in the next.
 # Each part has its own time limit and writes its output to $RESULTS as it goes, so a part that runs
 # out of time still leaves the others' results.
 set -uo pipefail
@@ -54,9 +56,8 @@ step accuracy "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --v
 step accuracy_fp32 "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 4 --epochs 10 \
     --warmup-batches 0 --fast-precision 32-true --json "$RESULTS/accuracy_fp32.json"
 step ablate "${ABLATE_S:-300}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 2 --epochs 3 \
-    --ablate model.compile=true --ablate "model.compile=true model.compile_mode=reduce-overhead" \
-    --ablate data.cache_on_device=false --ablate trainer.precision=32-true \
-    --ablate model.channels_last=false --json "$RESULTS/ablate.json"
+    --ablate "model.compile=true model.compile_mode=reduce-overhead" --ablate model.compile=true \
+    --ablate data.cache_on_device=false ${ABLATE_MORE:-} --json "$RESULTS/ablate.json"
 step accuracy_ablate "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 4 \
     --epochs 10 --warmup-batches 0 --ablate data.cache=false --json "$RESULTS/accuracy_ablate.json"
 PROFILE_DIR=$(mktemp -d -t flowers-gpu-profile-XXXXXX)
