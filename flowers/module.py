@@ -62,9 +62,9 @@ class FlowerClassifier(L.LightningModule):
             (most of all under bf16); the state_dict is unchanged.
         compile: ``torch.compile`` the network (in place, so checkpoint keys stay ``net.…``); the first
             steps are slow while it compiles.
-        compile_mode: torch.compile's ``mode``: "reduce-overhead" replays the network's forward and
-            backward as CUDA graphs, one launch where the seed's batch of 32 takes about 150 (on a large GPU
-            such a batch is bound by launches, not arithmetic); "max-autotune" also tries kernels.
+        compile_mode: torch.compile's ``mode``: "reduce-overhead" replays the network's forward and its
+            backward as two CUDA graphs instead of about 100 kernel launches (on a large GPU the seed's
+            batch of 32 is bound by launches, not arithmetic); "max-autotune" also tries kernels.
             Unset: torch's default. On CPU there are no CUDA graphs and the modes compile alike.
         fused_optimizer: run the optimizer's step as torch's fused kernel (Adam, AdamW, SGD and others
             that take ``fused=True``, on CPU and CUDA): the same update, in one pass over the parameters

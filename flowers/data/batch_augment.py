@@ -3,7 +3,7 @@
 torchvision's RandomResizedCrop draws one box per call on one image; here one call draws a box and a
 flip per image of the batch with the same rule (vectorised), on the host, in the training loader
 (``WithTrainViews``); then, on the training device, the whole batch is cropped and resized, flipped and
-normalised at once. Drawing on the host keeps about 90 tiny operations a batch off the GPU, where each
+normalised at once. Drawing on the host keeps about 80 tiny operations a batch off the GPU, where each
 would be a kernel launch, and launches, not arithmetic, bound the seed's batch of 32 on a large GPU.
 
 The crop and resize is done two ways, by device. On CPU, each image goes through torchvision's uint8
@@ -102,7 +102,7 @@ def draw_train_views(
     """Each image's random view: its crop box on the ``side``² square its original (of ``sizes``) was
     squashed into, as int64 ``(top, left, height, width)``, and whether it is flipped (None: never).
 
-    Drawn on the host, by the training loader (see ``WithTrainViews``): about 90 small tensor operations
+    Drawn on the host, by the training loader (see ``WithTrainViews``): about 80 small tensor operations
     a batch, each a kernel launch if done on a GPU, where launches, not arithmetic, bound a small batch.
     """
     boxes = sample_crop_boxes(sizes, scale=scale, ratio=ratio, generator=generator)
