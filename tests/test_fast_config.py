@@ -12,7 +12,7 @@ import torch
 from flowers.cli import cli_main
 from flowers.data import FlowerDataModule
 from flowers.data.cache import CACHE_FOLDER
-from flowers.module import WarmupCosineLR
+from flowers.module import FlowerClassifier, WarmupCosineLR
 from tests.conftest import TINY_RUN, make_tree
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -55,8 +55,6 @@ def test_best_recipe_warms_up_then_decays(in_tmp, tiny_synthetic):
 
 
 def test_compile_and_channels_last_keep_the_checkpoint_keys():
-    from flowers.module import FlowerClassifier
-
     plain = FlowerClassifier(5).state_dict()
     fast = FlowerClassifier(5, channels_last=True, compile=True).state_dict()
     assert list(fast) == list(plain)
@@ -66,14 +64,26 @@ def test_compile_and_channels_last_keep_the_checkpoint_keys():
 def test_compile_mode_reaches_torch_compile(monkeypatch):
     # "reduce-overhead" (CUDA graphs) is the mode that matters on a GPU, which CI lacks: check it is the
     # mode torch.compile is given (it compiles lazily, at the first forward), and unset means torch's default.
-    from flowers.module import FlowerClassifier
-
     modes = []
     monkeypatch.setattr(torch, "compile", lambda fn, *args, mode=None, **kwargs: modes.append(mode) or fn)
     FlowerClassifier(5, compile=True, compile_mode="reduce-overhead")
     FlowerClassifier(5, compile=True)
     FlowerClassifier(5, compile_mode="reduce-overhead")  # ignored without compile
     assert modes == ["reduce-overhead", None]
+
+
+@pytest.mark.slow
+def test_a_compiled_run_with_cuda_graph_mode_trains_and_saves_plain_keys(in_tmp, tiny_synthetic):
+    # compile_mode=reduce-overhead is meant for GPUs (CUDA graphs); on CPU it must still compile and train,
+    # with best.yaml's two-view evaluation in the same compiled network (about a minute of compiling).
+    cli = cli_main(["fit", "--config", str(CONFIGS / "best.yaml"), *TINY_RUN, f"--data.data_dir={tiny_synthetic}",
+                    "--model.compile=true", "--model.compile_mode=reduce-overhead", "--trainer.max_epochs=1",
+                    "--trainer.check_val_every_n_epoch=1", "--trainer.limit_train_batches=2",
+                    "--trainer.limit_val_batches=1", "--trainer.precision=32-true"])
+    assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["val/loss"])
+    saved = torch.load(cli.trainer.checkpoint_callback.last_model_path, weights_only=True)
+    assert saved["hyper_parameters"]["compile_mode"] == "reduce-overhead"
+    assert list(saved["state_dict"]) == list(FlowerClassifier(5).state_dict())
 
 
 @pytest.mark.parametrize("cache", [False, True])
@@ -116,8 +126,6 @@ def test_the_cache_never_upsamples_small_photos(in_tmp):
 def test_the_fused_optimizer_keeps_the_settings_and_the_update(optimizer, in_tmp, tiny_synthetic):
     import yaml
 
-    from flowers.module import FlowerClassifier
-
     args = ["fit", *TINY_RUN, "--trainer.max_steps=0", f"--data.data_dir={tiny_synthetic}"]
     if optimizer is not None:
         (in_tmp / "opt.yaml").write_text(yaml.safe_dump({"model": {"optimizer": optimizer}}))
@@ -154,15 +162,11 @@ def test_the_fused_optimizer_keeps_the_settings_and_the_update(optimizer, in_tmp
 def test_an_optimizer_with_no_fused_kernel_is_kept(in_tmp):
     from functools import partial
 
-    from flowers.module import FlowerClassifier
-
     optimizer = FlowerClassifier(5, optimizer=partial(torch.optim.RMSprop, lr=1e-3), fused_optimizer=True)._optimizer()
     assert isinstance(optimizer, torch.optim.RMSprop) and "fused" not in optimizer.defaults
 
 
 def test_eval_hflip_scores_an_image_and_its_mirror_alike():
-    from flowers.module import FlowerClassifier
-
     torch.manual_seed(0)
     images = torch.randn(3, 3, 64, 64)
     plain = FlowerClassifier(5).eval()
