@@ -11,9 +11,17 @@ from PIL import Image
 from torchvision import transforms as T
 
 from flowers.data import synthetic
-from flowers.data.batch_augment import eval_batch, sample_crop_boxes, train_batch
+from flowers.data.batch_augment import crop_flip_normalise, draw_train_views, eval_batch, sample_crop_boxes
 from flowers.data.cache import _decode, cache_side
 from flowers.data.transforms import eval_transform
+
+
+def train_batch(squares: torch.Tensor, sizes: torch.Tensor, *, crop_size: int, generator=None, batched=None,
+                channels_last: bool = False, **draw) -> torch.Tensor:
+    # What fit does to a cached training batch, in one call: the loader's draw, then the device's cut.
+    boxes, flip = draw_train_views(sizes, side=squares.shape[-1], generator=generator, **draw)
+    return crop_flip_normalise(squares, boxes, flip, crop_size=crop_size, channels_last=channels_last,
+                               batched=batched)
 
 
 def _torchvision_boxes(height: int, width: int, n: int, scale, ratio=(3 / 4, 4 / 3)) -> np.ndarray:

@@ -98,9 +98,9 @@ def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]
 def draw_train_views(
     sizes: torch.Tensor, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = SEED_RATIO,
     hflip_prob: float = 0.5, generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each image's random view: its crop box on the ``side``² square its original (of ``sizes``) was
-    squashed into, as int64 ``(top, left, height, width)``, and whether it is flipped (None: never).
+    squashed into, as int64 ``(top, left, height, width)``, and whether it is flipped (bool).
 
     Drawn on the host, by the training loader (see ``WithTrainViews``): about 80 small tensor operations
     a batch, each a kernel launch if done on a GPU, where launches, not arithmetic, bound a small batch.
@@ -110,14 +110,12 @@ def draw_train_views(
     factors = side / sizes.double().repeat(1, 2)
     boxes = (boxes * factors).round().long().clamp(min=0)
     boxes[:, 2:] = boxes[:, 2:].clamp(min=1)
-    flip = None
-    if hflip_prob > 0:
-        flip = torch.rand(len(boxes), generator=generator, device=boxes.device) < hflip_prob
+    flip = torch.rand(len(boxes), generator=generator, device=boxes.device) < hflip_prob
     return boxes, flip
 
 
 def crop_flip_normalise(
-    squares: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor | None, *, crop_size: int,
+    squares: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor, *, crop_size: int,
     mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD, channels_last: bool = False,
     batched: bool | None = None,
 ) -> torch.Tensor:
@@ -127,28 +125,11 @@ def crop_flip_normalise(
     if batched is None:
         batched = squares.is_cuda
     crops = _crop_batched(squares, boxes, crop_size) if batched else _crop_each(squares, boxes, crop_size)
-    if flip is not None:
-        if batched:  # no boolean indexing: its output size would need a host sync
-            crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
-        else:
-            crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
+    if batched:  # no boolean indexing: its output size would need a host sync
+        crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
+    else:
+        crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
     return _normalise(crops, mean, std, channels_last=channels_last)
-
-
-def train_batch(
-    squares: torch.Tensor, sizes: torch.Tensor, *, crop_size: int, scale: Sequence[float] = (0.08, 1.0),
-    ratio: Sequence[float] = SEED_RATIO, hflip_prob: float = 0.5,
-    mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD, generator: torch.Generator | None = None,
-    channels_last: bool = False, batched: bool | None = None,
-) -> torch.Tensor:
-    """``train_transform`` on ``N × 3 × S × S`` uint8 squares of originals of ``sizes``: ``draw_train_views``
-    then ``crop_flip_normalise``, in one call."""
-    boxes, flip = draw_train_views(sizes, side=squares.shape[-1], scale=scale, ratio=ratio, hflip_prob=hflip_prob,
-                                   generator=generator)
-    if flip is not None:
-        flip = flip.to(squares.device)
-    return crop_flip_normalise(squares, boxes.to(squares.device), flip, crop_size=crop_size, mean=mean, std=std,
-                               channels_last=channels_last, batched=batched)
 
 
 class WithTrainViews:
@@ -168,8 +149,6 @@ class WithTrainViews:
         squares, labels, sizes = default_collate(items)
         boxes, flip = draw_train_views(sizes, side=self.side, scale=self.scale, ratio=self.ratio,
                                        hflip_prob=self.hflip_prob)
-        if flip is None:  # a collated batch holds tensors only
-            flip = torch.zeros(len(boxes), dtype=torch.bool)
         return squares, labels, boxes, flip
 
 
