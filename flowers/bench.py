@@ -24,6 +24,11 @@ Peak memory is the GPU's on CUDA, else the main process's resident peak (loader 
 more variants). So each setting's share of the speed, or of an accuracy difference, is measured side
 by side with ``c`` in the same run.
 
+``--network free`` swaps the AlexNet for a network that costs next to nothing (a pooled linear layer), in
+every variant and the floor: each variant's images/s is then its loop's ceiling, what its data path,
+Lightning and logging allow. On a GPU bound by kernel launches this says whether a faster network
+(CUDA graphs, ``model.compile_mode=reduce-overhead``) could still make a variant faster.
+
 ``--epochs N`` trains each run N epochs (validating after each, as ``fit`` does) and adds the val
 accuracy after the last one (each epoch's val accuracy and mean train loss go to ``--json``);
 ``--epochs 10 --repeats 2`` is the accuracy check of fast vs plain over two seeds (repeat r seeds torch
@@ -98,6 +103,21 @@ def _limited(loader, limit: int | None):
 
 
 # -- the variants --------------------------------------------------------------------------------
+class FreeNetwork(nn.Module):
+    """``--network free``: the mean colour of each image through one linear layer (a few kernels, no work)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(3, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.classifier(images.mean(dim=(2, 3)))
+
+
+def network(args, num_classes: int) -> nn.Module:
+    return FreeNetwork(num_classes) if args.network == "free" else AlexNet(num_classes)
+
+
 def _datamodule(args, **overrides) -> FlowerDataModule:
     # pin_memory off as in the seed's DataLoader, so a and b share exactly one loader; c's comes from fast.yaml.
     kwargs = dict(data_dir=str(args.data_dir), image_size=args.image_size, batch_size=args.batch_size,
@@ -109,7 +129,7 @@ def _datamodule(args, **overrides) -> FlowerDataModule:
 def run_plain(args, device: torch.device) -> dict:
     datamodule = _datamodule(args)
     datamodule.setup("fit")
-    model = AlexNet(datamodule.num_classes).to(device)
+    model = network(args, datamodule.num_classes).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR)
     loss_fn = nn.CrossEntropyLoss()
     _reset_peak(device)
@@ -175,8 +195,16 @@ class _EpochTimer(L.Callback):
             self.val_s += self.times["end"] - self.times["val_start"]
             self.epochs += 1
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        # After this epoch's validation (Lightning validates inside the training epoch), outside the timed span.
+    # The finished epoch's values, outside the timed span. Not in on_train_epoch_end: a callback's runs
+    # before the module's, which logs the epoch's training loss.
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch > 0:
+            self._record_epoch(trainer)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._record_epoch(trainer)
+
+    def _record_epoch(self, trainer) -> None:
         metrics = trainer.callback_metrics
         if "val/acc" in metrics:
             self.history.append({"train_loss": float(metrics["train/loss_epoch"]),
@@ -249,10 +277,15 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
         data_kwargs = dict(fast.get("data", {}))
     datamodule = _datamodule(args, **data_kwargs)
     model = FlowerClassifier(datamodule.num_classes, datamodule.class_names, **model_kwargs)
+    if args.network == "free":
+        model.net = FreeNetwork(datamodule.num_classes)
+        if model_kwargs.get("compile"):
+            model.net.compile(mode=model_kwargs.get("compile_mode"))
     trainer = L.Trainer(**{k: v for k, v in trainer_kwargs.items() if v is not None})
     trainer.fit(model, datamodule=datamodule)
     # What the run really used, read back from the objects (so a report shows an ablation took effect).
-    used = {"precision": trainer.precision, "cache": datamodule.cache, "channels_last": model.channels_last,
+    used = {"network": type(model.net).__name__, "precision": trainer.precision, "cache": datamodule.cache,
+            "channels_last": model.channels_last,
             "fused_optimizer": bool(trainer.optimizers[0].defaults.get("fused")),
             "eval_batch_size": datamodule.eval_batch_size}
     return {**timer.result(trainer), "workers": datamodule.num_workers, "used": used}
@@ -267,7 +300,7 @@ def compute_floor(args, device: torch.device, num_classes: int) -> dict:
         ("fp32", None, False, False), ("bf16", torch.bfloat16, False, False),
         ("bf16_channels_last", torch.bfloat16, True, False), ("bf16_channels_last_fused", torch.bfloat16, True, True),
     ):
-        model = AlexNet(num_classes).to(device)
+        model = network(args, num_classes).to(device)
         images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
         labels = torch.randint(0, num_classes, (args.batch_size,), device=device)
         if channels_last:
@@ -361,6 +394,9 @@ def table(report: dict) -> str:
     rows.append(f"{c['device']}, {c['threads']} threads, batch {c['batch_size']}, {c['image_size']} px, "
                 f"{c['train_images']} train / {c['val_images']} val images, {c['repeats']} repeats of "
                 f"{c['epochs']} epoch(s); val acc after the last epoch, repeat r seeded with {c['seed']} + r")
+    if c.get("network") == "free":
+        rows.append("--network free: every variant and the floor ran a network that costs next to nothing; "
+                    "each figure is its loop's ceiling")
     return "\n".join(rows)
 
 
@@ -382,6 +418,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--floor-steps", type=int, default=20)
     parser.add_argument("--warmup-batches", type=int, default=3, help="batches of each variant's warm-up run (0: none)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
+    parser.add_argument("--network", choices=("alexnet", "free"), default="alexnet",
+                        help="free: a network that costs next to nothing, so each figure is its loop's ceiling")
     parser.add_argument("--fast-precision", default=None, help="override fast.yaml's precision for c")
     parser.add_argument("--compile", action="store_true", help="c with torch.compile")
     parser.add_argument("--ablate", action="append", default=[], metavar="SETTINGS",
@@ -456,7 +494,7 @@ def bench(args: argparse.Namespace) -> dict:
                    "data_dir": str(args.data_dir),
                    "train_images": len(probe.train_set), "val_images": len(probe.val_set),
                    "fast_precision": fast_precision, "compile": args.compile, "ablations": args.ablation_labels,
-                   "torch": torch.__version__,
+                   "network": args.network, "torch": torch.__version__,
                    "lightning": L.__version__, "cpu_count": os.cpu_count()},
         "cache_build_s": cache_build_s,
         "floor": floor,

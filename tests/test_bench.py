@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from flowers.bench import VARIANTS, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,10 +71,34 @@ def test_bench_ablations_run_c_with_the_named_settings_changed(in_tmp, tiny_synt
     assert "c2 c with data.cache=false trainer.precision=32-true model.fused_optimizer=false" in printed
     variants = json.loads(out.read_text())["variants"]
     used = {name: result["runs"][0]["used"] for name, result in variants.items()}
-    assert used["c"] == {"precision": "bf16-mixed", "cache": True, "channels_last": True, "fused_optimizer": True,
-                         "eval_batch_size": 128}
+    assert used["c"] == {"network": "AlexNet", "precision": "bf16-mixed", "cache": True, "channels_last": True,
+                         "fused_optimizer": True, "eval_batch_size": 128}
     assert used["c1"] == {**used["c"], "channels_last": False}
     assert used["c2"] == {**used["c"], "precision": "32-true", "cache": False, "fused_optimizer": False}
+
+
+def test_bench_free_network_runs_every_variant_and_the_floor_without_the_alexnet(in_tmp, tiny_synthetic, capsys,
+                                                                                  monkeypatch):
+    # --network free: the loops' ceilings. No AlexNet may be built anywhere, or a figure would include its work.
+    import flowers.bench
+    import flowers.module
+
+    def no_alexnet(*args, **kwargs):
+        raise AssertionError("an AlexNet was built under --network free")
+
+    out = in_tmp / "bench.json"
+    argv = ["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
+            "--limit-batches", "2", "--repeats", "1", "--floor-steps", "1", "--warmup-batches", "0",
+            "--variants", "a,b,c", "--network", "free", "--json", str(out)]
+    monkeypatch.setattr(flowers.bench, "AlexNet", no_alexnet)
+    monkeypatch.setattr(flowers.module, "AlexNet", lambda num_classes, **kwargs: torch.nn.Linear(1, num_classes))
+    assert main(argv) == 0
+    assert "--network free: every variant and the floor ran a network" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["config"]["network"] == "free"
+    for name in ("b", "c"):
+        assert report["variants"][name]["runs"][0]["used"]["network"] == "FreeNetwork"
+    assert all(result["runs"][0]["train_images"] == 8 for result in report["variants"].values())
 
 
 def test_bench_refuses_a_missing_data_dir_and_unknown_variants(in_tmp, capsys):

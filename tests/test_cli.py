@@ -4,10 +4,12 @@ import csv
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
 from flowers.cli import cli_main
+from flowers.data import FlowerDataModule
 from flowers.module import FlowerClassifier
 from tests.conftest import TINY_RUN, make_tree
 
@@ -93,3 +95,49 @@ def test_optimizer_and_scheduler_come_from_yaml(in_tmp, tiny_synthetic):
     # The optimizer is recorded in the checkpoint as data, not as a pickled callable.
     hparams = torch.load(cli.trainer.checkpoint_callback.last_model_path, weights_only=True)["hyper_parameters"]
     assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"
+
+
+class _EpochRecorder(L.Callback):
+    """Each training batch's loss, size and correct count, from the logits the module scored."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[float, int, int]]] = []
+        self.logged: list[dict[str, float]] = []
+        self._logits = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pl_module.net.register_forward_hook(lambda module, args, output: setattr(self, "_logits", output.detach()))
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch > 0:
+            self._read(trainer)
+        self.batches.append([])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        labels = batch[1]
+        correct = int((self._logits.argmax(1) == labels).sum())
+        self.batches[-1].append((float(outputs["loss"]), len(labels), correct))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._read(trainer)
+
+    def _read(self, trainer) -> None:
+        self.logged.append({k: float(trainer.callback_metrics[k]) for k in ("train/loss_epoch", "train/acc")})
+
+
+def test_epoch_training_values_cover_that_epoch_only(tiny_synthetic, tmp_path):
+    # The epoch's loss and accuracy are logged once, from metric objects, at the epoch's end: each epoch's
+    # must be the mean over its own batches (weighted by their sizes), not carried over from the one before.
+    recorder = _EpochRecorder()
+    data = FlowerDataModule(str(tiny_synthetic), image_size=64, batch_size=5, num_workers=0)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=3, limit_val_batches=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+                        default_root_dir=tmp_path)
+    trainer.fit(FlowerClassifier(data.num_classes, optimizer=lambda p: torch.optim.SGD(p, lr=0.5)), datamodule=data)
+    assert len(recorder.logged) == len(recorder.batches) == 3
+    for batches, logged in zip(recorder.batches, recorder.logged, strict=True):
+        images = sum(n for _, n, _ in batches)
+        assert images == len(data.train_set)  # the last batch is a short one, so the weighting matters
+        assert logged["train/loss_epoch"] == pytest.approx(sum(loss * n for loss, n, _ in batches) / images, rel=1e-5)
+        assert logged["train/acc"] == pytest.approx(sum(c for _, _, c in batches) / images)
+    assert len({round(v["train/loss_epoch"], 6) for v in recorder.logged}) == 3

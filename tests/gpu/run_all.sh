@@ -10,9 +10,11 @@
 #    ABLATE_MORE="--ablate trainer.precision=32-true"), the speed share of each; "accuracy_ablate": the
 #    10-epoch accuracy of c against c on the PIL loader (data.cache=false), 4 seeds; "profile": where the
 #    host's time goes in each training step of the CLI's fit with fast.yaml and with the seed's settings
-#    (Lightning's simple profiler: on a GPU its times are the host's, which bounds a launch-bound step).
+#    (Lightning's simple profiler: on a GPU its times are the host's, which bounds a launch-bound step);
+#    "ceiling": a, b and c with a network that costs next to nothing (bench --network free), each
+#    loop's own ceiling: whether c >= 5x a is reachable at all by making the network faster.
 # STEPS picks a subset, e.g. STEPS="bench accuracy" (default: steps 1-3). A device session has about 12
-# minutes of commands in 10-minute calls: e.g. STEPS="bench ablate" in one call, STEPS="profile
+# minutes of commands in 10-minute calls: e.g. STEPS="bench ablate" in one call, STEPS="ceiling profile
 # accuracy_ablate" in the next.
 # Each part has its own time limit and writes its output to $RESULTS as it goes, so a part that runs
 # out of time still leaves the others' results.
@@ -58,6 +60,8 @@ step accuracy_fp32 "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA
 step ablate "${ABLATE_S:-300}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 2 --epochs 3 \
     --ablate "model.compile=true model.compile_mode=reduce-overhead" --ablate model.compile=true \
     --ablate data.cache_on_device=false ${ABLATE_MORE:-} --json "$RESULTS/ablate.json"
+step ceiling "${CEILING_S:-90}" "$PY" -m flowers.bench --data-dir "$DATA" --variants a,b,c --repeats 2 --epochs 1 \
+    --network free --json "$RESULTS/ceiling.json"
 step accuracy_ablate "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 4 \
     --epochs 10 --warmup-batches 0 --ablate data.cache=false --json "$RESULTS/accuracy_ablate.json"
 PROFILE_DIR=$(mktemp -d -t flowers-gpu-profile-XXXXXX)
