@@ -186,6 +186,8 @@ class RNGStateCheckpoint(L.Callback):
     The checkpoint is written by global rank 0 only, so every rank gets rank 0's state back. That is what
     they had anyway: ``seed_everything`` seeds all ranks alike and they draw the same numbers in step
     (equal-sized training shards), while the ``DistributedSampler`` shuffles from its own seed and epoch.
+    (The cached loader's per-rank crops come from generators seeded by such shared draws:
+    ``batch_augment.WithTrainViews``.)
     Stored as tensors and plain numbers so ``weights_only=True`` loading accepts it.
     """
 

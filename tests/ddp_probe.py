@@ -22,6 +22,20 @@ class Probe(L.Callback):
         self.sampler_epochs: list[int] = []
         self.eval_batch_sizes: list[int] = []
         self.train_image_sides: set[int] = set()
+        self.train_views: list[list] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # A cached training batch's crop boxes and flips, as the loader drew them: seen here before the
+        # datamodule's on_after_batch_transfer turns them into images.
+        datamodule = trainer.datamodule
+        hook = datamodule.on_before_batch_transfer
+
+        def record(batch, dataloader_idx):
+            if trainer.training and isinstance(batch, (list, tuple)) and len(batch) == 4:
+                self.train_views.append([batch[2].tolist(), batch[3].tolist()])
+            return hook(batch, dataloader_idx)
+
+        datamodule.on_before_batch_transfer = record
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.train_image_sides.add(int(batch[0].shape[-1]))  # the batch as the model gets it
@@ -52,6 +66,7 @@ class Probe(L.Callback):
             "train_orders": self.train_orders,
             "eval_batch_sizes": self.eval_batch_sizes,
             "train_image_sides": sorted(self.train_image_sides),
+            "train_views": self.train_views,
             "train_collate": type(trainer.train_dataloader.collate_fn).__name__ if trainer.train_dataloader else None,
             "eval_sampler": type(sampler).__name__,
             "eval_shard": [int(i) for i in sampler] if sampler is not None else None,

@@ -194,6 +194,32 @@ def test_the_training_loader_draws_each_images_view_reproducibly():
         assert not torch.equal(first[0][2], first[1][2])  # each batch its own draw
 
 
+def test_ddp_ranks_draw_their_own_views_and_keep_their_global_generators_in_step():
+    # With no loader workers (the cache on a GPU) the views are drawn in the training process, whose
+    # global generator is in the same state on every ddp rank. Each rank must still get its own crops and
+    # flips, while the global generators stay in step: a checkpoint stores rank 0's RNG state and resumes
+    # every rank from it. A single process keeps drawing from the global generator itself.
+    from flowers.data.batch_augment import WithTrainViews
+
+    items = [(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]  # equal sizes: boxes comparable
+
+    def collate(rank):
+        torch.manual_seed(3)
+        _, _, boxes, flip = WithTrainViews(side=64, rank=rank)(items)
+        return boxes, flip, torch.get_rng_state()
+
+    (boxes0, flip0, state0), (boxes1, flip1, state1) = collate(0), collate(1)
+    assert not torch.equal(boxes0, boxes1) and not torch.equal(flip0, flip1)
+    assert torch.equal(state0, state1)  # the global generators moved alike on both ranks
+    again = collate(1)
+    assert torch.equal(again[0], boxes1) and torch.equal(again[1], flip1)  # and each rank is reproducible
+
+    boxes, flip, _ = collate(None)
+    torch.manual_seed(3)
+    expected = draw_train_views(torch.tensor([[48, 64]] * 32), side=64)
+    assert torch.equal(boxes, expected[0]) and torch.equal(flip, expected[1])
+
+
 def test_a_gpu_batch_is_a_handful_of_operations_with_no_host_data():
     # On a GPU each operation is a kernel launch, and the seed's batch of 32 is bound by launches. The
     # views come from the loader; the device only gathers, crops, flips and normalises: no random draws

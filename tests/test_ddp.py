@@ -150,7 +150,34 @@ def test_ddp_with_the_cache_trains_on_the_loaders_random_views(tmp_path, tiny_sy
     for record in ranks.values():
         assert record["train_collate"] == "WithTrainViews"
         assert record["train_image_sides"] == [64]  # the training crops, not the 80-px evaluation squares
+        assert len(record["train_views"]) == 2
     assert ranks[0]["train_orders"][0] != ranks[1]["train_orders"][0]  # each rank its own shard
+    # The views are drawn in each rank's training process (no loader workers), from generators that
+    # seed_everything put in the same state: each rank must still draw its own crops and flips (the
+    # images are all 72 px, so equal draws would give equal boxes).
+    views = [ranks[rank]["train_views"] for rank in (0, 1)]
+    for (boxes0, _), (boxes1, _) in zip(*views, strict=True):
+        assert boxes0 != boxes1
+    assert [flips for _, flips in views[0]] != [flips for _, flips in views[1]]
+
+
+@pytest.mark.slow
+def test_a_resumed_ddp_run_with_the_cache_continues_exactly(tmp_path, tiny_synthetic):
+    # Each rank draws its views from a generator seeded by one draw from its global generator, which
+    # must stay in step on all ranks: the checkpoint holds rank 0's RNG state only, and gives it to all.
+    run = ["fit", *TINY, "--trainer.devices=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+           "--trainer.deterministic=true", "--data.cache=true", f"--data.data_dir={tiny_synthetic}"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for folder in (straight, resumed):
+        folder.mkdir()
+    flowers([*run, "--trainer.max_epochs=3"], straight)
+    flowers([*run, "--trainer.max_epochs=1"], resumed)
+    flowers([*run, "--trainer.max_epochs=3", "--ckpt_path=last"], resumed)
+    last = Path("runs/flowers/version_0/checkpoints/last.ckpt")
+    expected, got = state_dict(straight / last), state_dict(resumed / last)
+    assert list(got) == list(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, get_worker_info
 from torchvision.ops import roi_align
 from torchvision.transforms.v2 import functional as F
 
@@ -138,18 +138,30 @@ class WithTrainViews:
     ``(squares or indices, labels, boxes, flip)``.
 
     On the host, so a GPU gets only the crop itself; in the loader's workers when there are any (each
-    seeded by torch, so a run stays reproducible), else in the training process.
+    seeded by torch, so a run stays reproducible), else in the training process. ``rank``: the process's
+    global rank when several train together (ddp), else None.
     """
 
     def __init__(self, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = SEED_RATIO,
-                 hflip_prob: float = 0.5) -> None:
+                 hflip_prob: float = 0.5, rank: int | None = None) -> None:
         self.side, self.scale, self.ratio, self.hflip_prob = side, tuple(scale), tuple(ratio), hflip_prob
+        self.rank = rank
 
     def __call__(self, items: list) -> tuple:
         squares, labels, sizes = default_collate(items)
+        generator = self._rank_generator() if self.rank is not None and get_worker_info() is None else None
         boxes, flip = draw_train_views(sizes, side=self.side, scale=self.scale, ratio=self.ratio,
-                                       hflip_prob=self.hflip_prob)
+                                       hflip_prob=self.hflip_prob, generator=generator)
         return squares, labels, boxes, flip
+
+    def _rank_generator(self) -> torch.Generator:
+        # In the training process every ddp rank's global generator is in the same state (seed_everything
+        # seeds them alike and they draw in step), so drawing from it would give every rank the same crops
+        # and flips at each batch position. One draw from it per batch keeps the ranks in step (a checkpoint
+        # holds rank 0's state and resumes them all exactly); the views come from a generator seeded with
+        # that draw and the rank. (Loader workers are seeded per rank and worker by Lightning already.)
+        seed = int(torch.randint(0, 2**62, (1,)))
+        return torch.Generator().manual_seed(seed + self.rank)
 
 
 def _crop_each(squares: torch.Tensor, boxes: torch.Tensor, crop_size: int) -> torch.Tensor:

@@ -317,7 +317,10 @@ class FlowerDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         views = None
         if isinstance(self.train_set, CachedImages):
-            views = batch_augment.WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale)
+            trainer = self.trainer
+            rank = trainer.global_rank if trainer is not None and trainer.world_size > 1 else None
+            views = batch_augment.WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale,
+                                                 rank=rank)
         return self._loader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=views)
 
     def _eval_sampler(self, dataset):
