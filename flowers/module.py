@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from flowers.model import AlexNet
@@ -46,6 +46,29 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
 
     def get_lr(self) -> list[float]:
         return [base * self.factor(self.last_epoch) for base in self.base_lrs]
+
+
+class BatchMean(Metric):
+    """The mean of one value per batch (a loss), weighted by batch size; summed over ddp ranks at compute.
+
+    By hand rather than torchmetrics' MeanMetric: its update checks the value for NaN and reads the answer
+    on the host, two blocking syncs a step on a GPU, and its ``nan_strategy="disable"`` drops the weights
+    (torchmetrics issue 3434). A NaN loss makes a NaN mean, as it should.
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, weight: int) -> None:
+        self.total += value.detach().float() * weight
+        self.count += weight
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count
 
 
 class FlowerClassifier(L.LightningModule):
@@ -109,18 +132,20 @@ class FlowerClassifier(L.LightningModule):
         self.fused_optimizer = fused_optimizer
         self.eval_hflip = eval_hflip
         # micro = fraction of images right (what the seed prints); macro = mean of per-class accuracy.
-        metrics = MetricCollection({
-            # validate_args checks the targets' range with a host sync each step: it stalled the GPU's queue.
-            "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
-            "acc_macro": MulticlassAccuracy(num_classes, average="macro", validate_args=False),
-        })
-        self.train_metrics = metrics.clone(prefix="train/")
-        self.val_metrics = metrics.clone(prefix="val/")
-        self.test_metrics = metrics.clone(prefix="test/")
+        # validate_args checks the targets' range with a host sync each step: it stalled the GPU's queue.
+        def accuracy(average: str) -> MulticlassAccuracy:
+            return MulticlassAccuracy(num_classes, average=average, validate_args=False)
+
+        # Training's is micro only: torchmetrics counts per class with torch.bincount, which on a GPU
+        # reads the batch's min and max on the host, two blocking syncs a step.
+        self.train_metrics = MetricCollection({"acc": accuracy("micro")}, prefix="train/")
+        evaluation = MetricCollection({"acc": accuracy("micro"), "acc_macro": accuracy("macro")})
+        self.val_metrics = evaluation.clone(prefix="val/")
+        self.test_metrics = evaluation.clone(prefix="test/")
         # Each stage's mean loss. Evaluation shards are uneven under ddp (each image once), and Lightning's
-        # sync_dist mean then divides by an integer-averaged batch count under gloo: a torchmetrics mean
-        # syncs (sum, weight).
-        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        # sync_dist mean then divides by an integer-averaged batch count under gloo: a metric sums
+        # (total, count) over the ranks instead.
+        self.train_loss, self.val_loss, self.test_loss = BatchMean(), BatchMean(), BatchMean()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
@@ -143,7 +168,7 @@ class FlowerClassifier(L.LightningModule):
         loss = self.loss(logits, labels)
         metrics, mean_loss = getattr(self, f"{stage}_metrics"), getattr(self, f"{stage}_loss")
         metrics.update(logits, labels)
-        mean_loss.update(loss.detach(), weight=labels.shape[0])
+        mean_loss.update(loss, labels.shape[0])
         if stage == "train":
             # One self.log a step, for the progress bar and TensorBoard's step curve: this rank's batch loss.
             # The epoch values are logged once, at the epoch's end: each self.log call cost the host about

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -41,6 +42,48 @@ def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
     again = FlowerDataModule(str(data), image_size=64, cache=True)
     again.setup("fit")
     assert again.train_set.cache.folder == cli.datamodule.train_set.cache.folder
+
+
+def test_a_training_step_reads_nothing_back_to_the_host(tiny_synthetic, tmp_path):
+    # On a GPU the host queues each step's kernels ahead of the device; an operation whose result the host
+    # must read (an item(), a data-dependent size, a tensor built from host data) makes it wait for the queue
+    # to drain, every step. Recorded here on CPU, the operations of whole training steps (forward, loss,
+    # metrics, logging, backward, optimizer) on the fast path must include none of them.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    host_reads = {"_local_scalar_dense", "bincount", "histc", "nonzero", "masked_select", "unique", "_unique2",
+                  "unique_dim", "unique_consecutive", "repeat_interleave", "lift_fresh"}
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class RecordSteps(L.Callback):
+        def __init__(self) -> None:
+            self.mode, self.steps = Record(), 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx > 0:  # the first step also builds the optimizer's state
+                self.mode.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx > 0:
+                self.mode.__exit__(None, None, None)
+                self.steps += 1
+
+    record = RecordSteps()
+    data = FlowerDataModule(str(tiny_synthetic), image_size=64, batch_size=8, cache=True, num_workers=0)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=0,
+                        precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[record], default_root_dir=tmp_path)
+    trainer.fit(FlowerClassifier(data.num_classes, channels_last=True, fused_optimizer=True), datamodule=data)
+    assert record.steps == 3 and {"convolution_backward", "_fused_adam_"} <= record.mode.ops
+    assert not host_reads & record.mode.ops, host_reads & record.mode.ops
 
 
 def test_best_recipe_warms_up_then_decays(in_tmp, tiny_synthetic):
