@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REAL_PHOTOS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "flowers"
 
@@ -21,6 +22,18 @@ TINY_RUN = [
     "--data.batch_size=4",
     "--data.num_workers=0",
 ]
+
+
+class RecordOps(TorchDispatchMode):
+    """While active, names every tensor operation run (on a GPU, each would be a kernel launch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def write_images(folder: Path, count: int, *, size: int = 72, seed: int = 0, ext: str = ".jpg") -> list[Path]:

@@ -14,6 +14,7 @@ from flowers.data import synthetic
 from flowers.data.batch_augment import crop_flip_normalise, draw_train_views, eval_batch, sample_crop_boxes
 from flowers.data.cache import _decode, cache_side
 from flowers.data.transforms import eval_transform
+from tests.conftest import RecordOps
 
 
 def train_batch(squares: torch.Tensor, sizes: torch.Tensor, *, crop_size: int, generator=None, batched=None,
@@ -224,23 +225,15 @@ def test_a_gpu_batch_is_a_handful_of_operations_with_no_host_data():
     # On a GPU each operation is a kernel launch, and the seed's batch of 32 is bound by launches. The
     # views come from the loader; the device only gathers, crops, flips and normalises: no random draws
     # there, and no tensor built from host data (a blocking copy that waits for the GPU's queue).
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from flowers.data.batch_augment import WithTrainViews, crop_flip_normalise
-
-    ops: list[str] = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     cache = torch.randint(0, 256, (50, 3, 64, 64), dtype=torch.uint8)  # the cache held on the device
     items = [(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]
     indices, _, boxes, flip = WithTrainViews(side=64)(items)
     crop_flip_normalise(cache[indices], boxes, flip, crop_size=56, batched=True)  # first call builds constants
-    with Record():
+    with RecordOps() as record:
         images = crop_flip_normalise(cache[indices], boxes, flip, crop_size=56, channels_last=True, batched=True)
+    ops = record.ops
     assert images.shape == (32, 3, 56, 56) and images.is_contiguous(memory_format=torch.channels_last)
     assert not {"rand", "uniform_", "lift_fresh", "_local_scalar_dense"} & set(ops), ops
     assert len(ops) <= 16, ops  # was 102 with the boxes drawn on the device
