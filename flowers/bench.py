@@ -2,7 +2,7 @@
 
 In one process, on the same images, split, model, optimizer (Adam 2e-4), batch size and thread count:
 
-* ``a``: a hand-written loop as the seed's single-device code (PIL decode per image, fp32, a train
+* ``a``: a hand-written loop as the tutorial's single-device code (PIL decode per image, fp32, a train
   epoch then a val epoch under ``torch.no_grad``);
 * ``b``: ``Trainer.fit`` on the same loader in fp32, with no progress bar, logger or checkpointing:
   Lightning's own cost;
@@ -57,7 +57,7 @@ from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
 from flowers.data import FlowerDataModule
 from flowers.errors import ConfigError, FlowersError
 from flowers.model import AlexNet
-from flowers.module import SEED_LR, FlowerClassifier
+from flowers.module import TUTORIAL_LR, FlowerClassifier
 
 FAST_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "fast.yaml"
 VARIANTS = ("a", "b", "b_cli", "c")
@@ -119,7 +119,7 @@ def network(args, num_classes: int) -> nn.Module:
 
 
 def _datamodule(args, **overrides) -> FlowerDataModule:
-    # pin_memory off as in the seed's DataLoader, so a and b share exactly one loader; c's comes from fast.yaml.
+    # pin_memory off as in the tutorial's DataLoader, so a and b share exactly one loader; c's comes from fast.yaml.
     kwargs = dict(data_dir=str(args.data_dir), image_size=args.image_size, batch_size=args.batch_size,
                   num_workers=args.num_workers, pin_memory=False)
     kwargs.update(overrides)
@@ -130,7 +130,7 @@ def run_plain(args, device: torch.device) -> dict:
     datamodule = _datamodule(args)
     datamodule.setup("fit")
     model = network(args, datamodule.num_classes).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR)
     loss_fn = nn.CrossEntropyLoss()
     _reset_peak(device)
     train_loader, val_loader = datamodule.train_dataloader(), datamodule.val_dataloader()
@@ -145,7 +145,7 @@ def run_plain(args, device: torch.device) -> dict:
             loss = loss_fn(model(images), labels)
             loss.backward()
             optimizer.step()
-            running_loss += loss.item()  # the seed prints the running loss: one sync per step, as fit's logging
+            running_loss += loss.item()  # the tutorial prints the running loss: one sync per step, as fit's logging
             seen += len(labels)
             steps += 1
         _sync(device)
@@ -306,7 +306,7 @@ def compute_floor(args, device: torch.device, num_classes: int) -> dict:
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
             images = images.contiguous(memory_format=torch.channels_last)
-        optimizer = torch.optim.Adam(model.parameters(), lr=SEED_LR, fused=fused or None)
+        optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR, fused=fused or None)
         for i in range(min(3, steps) + steps):  # the first few warm up oneDNN's kernels and are not timed
             if i == min(3, steps):
                 _sync(device)
@@ -412,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="repeat r seeds torch with SEED + r (more seeds: run again with another SEED)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--num-workers", type=int, default=None, help="default: the seed's min(cpu, batch, 8)")
+    parser.add_argument("--num-workers", type=int, default=None, help="default: the tutorial's min(cpu, batch, 8)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--limit-batches", type=int, default=None, help="batches per epoch (for smoke tests)")
     parser.add_argument("--floor-steps", type=int, default=20)

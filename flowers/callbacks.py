@@ -20,7 +20,7 @@ from flowers.figures import confusion_matrix_image, prediction_grid
 
 
 def write_class_indices(path: Path, class_names: list[str]) -> None:
-    """The seed's ``class_indices.json``: ``{"0": "daisy", …}``."""
+    """The tutorial's ``class_indices.json``: ``{"0": "daisy", …}``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({str(i): name for i, name in enumerate(class_names)}, indent=4) + "\n")
 

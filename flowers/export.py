@@ -1,7 +1,7 @@
 """``python -m flowers export``: a checkpoint's plain AlexNet for use outside Lightning.
 
 Formats, each written into ``--output`` (default ``<checkpoint folder>/export``) with ``class_indices.json``:
-  state_dict   ``AlexNet.pth``, the seed's file: keys ``features.0.weight`` …, loads into the seed's class
+  state_dict   ``AlexNet.pth``, the tutorial's file: keys ``features.0.weight`` …, loads into the tutorial's class
   torchscript  ``AlexNet.torchscript.pt`` (``torch.jit.load``; no flowers code needed)
   onnx         ``AlexNet.onnx``, input ``images`` [batch, 3, S, S] normalised as in training, output ``logits``
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from flowers.analysis import image_size_of, load
 from flowers.callbacks import write_class_indices
 from flowers.errors import ConfigError
-from flowers.inspect import image_size_of, load
 
 FILENAMES = {"state_dict": "AlexNet.pth", "torchscript": "AlexNet.torchscript.pt", "onnx": "AlexNet.onnx"}
 

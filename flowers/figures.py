@@ -12,7 +12,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 
-from flowers.data.transforms import SEED_MEAN, SEED_STD
+from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 
 CELL = 44  # confusion-matrix cell side, pixels
 TILE = 128  # prediction-grid tile side, pixels
@@ -53,7 +53,7 @@ def confusion_matrix_image(matrix: torch.Tensor, names: Sequence[str]) -> torch.
 
 def prediction_grid(
     images: torch.Tensor, labels: torch.Tensor, probs: torch.Tensor, names: Sequence[str], *, columns: int = 4,
-    mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD,
+    mean: Sequence[float] = TUTORIAL_MEAN, std: Sequence[float] = TUTORIAL_STD,
 ) -> torch.Tensor:
     """Normalised images with a caption each: true class, predicted class and its probability (green if right)."""
     font = _font(11)

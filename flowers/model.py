@@ -1,6 +1,6 @@
-"""The seed's half-width AlexNet, as a plain ``nn.Module``.
+"""The tutorial's half-width AlexNet, as a plain ``nn.Module``.
 
-Module names and layer order match the seed's ``AlexNet`` class exactly, so a ``state_dict``
+Module names and layer order match the tutorial's ``AlexNet`` class exactly, so a ``state_dict``
 moves between the two with ``strict=True`` (keys ``features.0.weight`` … ``classifier.6.bias``).
 """
 
@@ -31,7 +31,7 @@ class AlexNet(nn.Module):
             nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2),  # 128x6x6
         )
-        # Not in the seed: lets image sizes other than 224 reach the 6x6 the classifier expects.
+        # Not in the tutorial: lets image sizes other than 224 reach the 6x6 the classifier expects.
         # It is the identity at 224 and has no parameters, so state_dict keys are unchanged.
         self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
         self.classifier = nn.Sequential(
@@ -47,7 +47,7 @@ class AlexNet(nn.Module):
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """The seed's optional init: Kaiming-normal convs, N(0, 0.01) linears, zero biases."""
+        """The tutorial's optional init: Kaiming-normal convs, N(0, 0.01) linears, zero biases."""
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

@@ -15,7 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from flowers.model import AlexNet
 
-SEED_LR = 2e-4  # the seed's Adam learning rate for single-device training
+TUTORIAL_LR = 2e-4  # the tutorial's Adam learning rate for single-device training
 
 
 class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
@@ -75,10 +75,10 @@ class FlowerClassifier(L.LightningModule):
     """Args:
         num_classes, class_names: filled from the data by the CLI; stored in the checkpoint so
             ``FlowerClassifier.load_from_checkpoint(path)`` needs no arguments.
-        label_smoothing: of the cross-entropy loss (0 = the seed's plain loss).
-        dropout: of the two dropout layers in the classifier (the seed's 0.5).
+        label_smoothing: of the cross-entropy loss (0 = the tutorial's plain loss).
+        dropout: of the two dropout layers in the classifier (the tutorial's 0.5).
         optimizer: a callable ``params -> Optimizer``, set in YAML with ``class_path``/``init_args``;
-            unset means the seed's recipe, Adam with lr 2e-4.
+            unset means the tutorial's recipe, Adam with lr 2e-4.
         scheduler: a callable ``optimizer -> LRScheduler``; unset means a constant learning rate.
         scheduler_interval: step the scheduler every "epoch" or every "step".
         channels_last: keep weights and inputs in NHWC, the layout oneDNN and cuDNN convolve fastest
@@ -86,14 +86,14 @@ class FlowerClassifier(L.LightningModule):
         compile: ``torch.compile`` the network (in place, so checkpoint keys stay ``net.…``); the first
             steps are slow while it compiles.
         compile_mode: torch.compile's ``mode``: "reduce-overhead" replays the network's forward and its
-            backward as two CUDA graphs instead of about 100 kernel launches (on a large GPU the seed's
+            backward as two CUDA graphs instead of about 100 kernel launches (on a large GPU the tutorial's
             batch of 32 is bound by launches, not arithmetic); "max-autotune" also tries kernels.
             Unset: torch's default. On CPU there are no CUDA graphs and the modes compile alike.
         fused_optimizer: run the optimizer's step as torch's fused kernel (Adam, AdamW, SGD and others
             that take ``fused=True``, on CPU and CUDA): the same update, in one pass over the parameters
             instead of several per tensor. An optimizer without a fused kernel is kept as it is.
         eval_hflip: score each image and its mirror image, averaging the two logits, wherever the
-            model evaluates (validate, test, predict, ``flowers.inspect``); the training crops are flipped
+            model evaluates (validate, test, predict, ``flowers.analysis``); the training crops are flipped
             half the time, so both views are in distribution. Saved with the model; an exported network
             is the plain one.
     """
@@ -131,7 +131,7 @@ class FlowerClassifier(L.LightningModule):
         self.scheduler_interval = scheduler_interval
         self.fused_optimizer = fused_optimizer
         self.eval_hflip = eval_hflip
-        # micro = fraction of images right (what the seed prints); macro = mean of per-class accuracy.
+        # micro = fraction of images right (what the tutorial prints); macro = mean of per-class accuracy.
         # validate_args checks the targets' range with a host sync each step: it stalled the GPU's queue.
         def accuracy(average: str) -> MulticlassAccuracy:
             return MulticlassAccuracy(num_classes, average=average, validate_args=False)
@@ -223,7 +223,8 @@ class FlowerClassifier(L.LightningModule):
 
     def _optimizer(self) -> torch.optim.Optimizer:
         params = list(self.parameters())
-        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.Adam(params, lr=SEED_LR)
+        factory = self.optimizer_factory or (lambda params: torch.optim.Adam(params, lr=TUTORIAL_LR))
+        optimizer = factory(params)
         if self.fused_optimizer and "fused" in optimizer.defaults and not optimizer.defaults["fused"]:
             # Rebuilt from its own settings rather than passing fused=True to the factory: the factory is
             # whatever callable the YAML named. Its defaults hold its constructor's arguments (AdamW's also

@@ -1,4 +1,4 @@
-"""The batched uint8 augmentation matches the seed's PIL transforms in distribution and in value."""
+"""The batched uint8 augmentation matches the tutorial's PIL transforms in distribution and in value."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_flip_probability_and_output_format(batched):
     out = train_batch(squares, torch.tensor([[side, side]] * n), crop_size=12, scale=(1.0, 1.0), ratio=(1.0, 1.0),
                       batched=batched)
     assert out.shape == (n, 3, 12, 12) and out.dtype == torch.float32
-    # The seed's mean and std of 0.5 map 0 and 255 to -1 and 1 (to float rounding: one fused multiply-add).
+    # The tutorial's mean and std of 0.5 map 0 and 255 to -1 and 1 (to float rounding: one fused multiply-add).
     torch.testing.assert_close((out.min().item(), out.max().item()), (-1.0, 1.0))
     flipped = (out[..., :6].mean(dim=(1, 2, 3)) > out[..., 6:].mean(dim=(1, 2, 3))).float().mean()
     assert abs(flipped - 0.5) < 0.07  # 600 draws: 4 standard errors
@@ -107,9 +107,9 @@ def test_eval_matches_eval_transform(size, crop):
     image = synthetic.draw_flower(2, rng, size=max(size)).resize(size, Image.Resampling.BICUBIC)
     square, _ = _decode_pil(image, cache_side(crop))
     ours = eval_batch(square[None], crop_size=crop)[0]
-    seed = eval_transform(crop_size=crop)(image)
-    assert ours.shape == seed.shape
-    difference = (ours - seed).abs()
+    reference = eval_transform(crop_size=crop)(image)
+    assert ours.shape == reference.shape
+    difference = (ours - reference).abs()
     # Two resizes instead of one: a few grey levels off on edges, nothing on average (range is 2).
     assert difference.mean() < 0.015 and difference.max() < 0.25, (difference.mean(), difference.max())
 
@@ -130,7 +130,7 @@ def test_channels_last_output_has_the_same_values():
 
 
 def test_a_photo_cached_at_its_own_size_gets_pils_crop_for_the_same_box(monkeypatch):
-    # The shared photos are squares cached as they are: then a box's crop must be the seed's, not just
+    # The shared photos are squares cached as they are: then a box's crop must be the tutorial's, not just
     # alike in distribution (PIL's resized_crop, ToTensor, Normalize), up to a grey level of rounding.
     from torchvision.transforms import functional as TF
 
@@ -144,15 +144,15 @@ def test_a_photo_cached_at_its_own_size_gets_pils_crop_for_the_same_box(monkeypa
         monkeypatch.setattr(batch_augment, "sample_crop_boxes",
                             lambda *args, box=(top, left, h, w), **kwargs: torch.tensor([box], dtype=torch.float64))
         ours = train_batch(square[None], torch.tensor([size]), crop_size=224, hflip_prob=0.0)[0]
-        seed = TF.normalize(TF.to_tensor(TF.resized_crop(image, top, left, h, w, [224, 224], antialias=True)),
+        reference = TF.normalize(TF.to_tensor(TF.resized_crop(image, top, left, h, w, [224, 224], antialias=True)),
                             [0.5] * 3, [0.5] * 3)
-        difference = (ours - seed).abs()  # one grey level is 2/255 after Normalize(0.5, 0.5)
+        difference = (ours - reference).abs()  # one grey level is 2/255 after Normalize(0.5, 0.5)
         assert difference.max() <= 2 / 255 + 1e-6 and difference.mean() < 0.1 / 255, (top, left, h, w)
 
 
 def test_batched_crop_gives_the_per_image_crops_pixels():
     # The GPU's one-call crop (roi_align) against the CPU's per-image resized_crop, for the same boxes of
-    # the seed's distribution, on photo-like images: the same pictures up to edge and filter details.
+    # the tutorial's distribution, on photo-like images: the same pictures up to edge and filter details.
     from flowers.data.batch_augment import _crop_batched, _crop_each
 
     rng = np.random.default_rng(5)
@@ -222,7 +222,7 @@ def test_ddp_ranks_draw_their_own_views_and_keep_their_global_generators_in_step
 
 
 def test_a_gpu_batch_is_a_handful_of_operations_with_no_host_data():
-    # On a GPU each operation is a kernel launch, and the seed's batch of 32 is bound by launches. The
+    # On a GPU each operation is a kernel launch, and the tutorial's batch of 32 is bound by launches. The
     # views come from the loader; the device only gathers, crops, flips and normalises: no random draws
     # there, and no tensor built from host data (a blocking copy that waits for the GPU's queue).
     from flowers.data.batch_augment import WithTrainViews, crop_flip_normalise

@@ -67,14 +67,14 @@ def test_validate_then_predict_from_the_checkpoint(fitted):
         assert row["prediction"] == names[max(range(5), key=probs.__getitem__)]
 
 
-def test_the_seed_layout_with_train_val_and_test_folders(in_tmp):
+def test_the_tutorial_layout_with_train_val_and_test_folders(in_tmp):
     for split, count in (("train", 6), ("val", 3), ("test", 3)):
-        make_tree(in_tmp / "seedlayout" / split, {"cat": count, "dog": count})
-    cli = cli_main(["fit", *TINY_RUN, "--data.data_dir=seedlayout"])
+        make_tree(in_tmp / "splitlayout" / split, {"cat": count, "dog": count})
+    cli = cli_main(["fit", *TINY_RUN, "--data.data_dir=splitlayout"])
     assert cli.model.class_names == ["cat", "dog"]
     assert cli.model.net.classifier[-1].out_features == 2
     assert len(cli.datamodule.train_set) == 12 and len(cli.datamodule.val_set) == 6
-    tested = cli_main(["test", *TINY_RUN, "--data.data_dir=seedlayout",
+    tested = cli_main(["test", *TINY_RUN, "--data.data_dir=splitlayout",
                        f"--ckpt_path={cli.trainer.checkpoint_callback.last_model_path}"])
     assert "test/acc" in tested.trainer.callback_metrics
 

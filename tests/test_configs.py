@@ -35,7 +35,7 @@ def test_mode_files_set_only_trainer_keys_and_compose(mode, in_tmp, tiny_synthet
     root = CONFIGS[0].parent
     assert set(yaml.safe_load((root / f"{mode}.yaml").read_text())) == {"trainer"}
     mode_file = root / f"{mode}.yaml"
-    cli = cli_main(["--config", str(root / "seed.yaml"), "--config", str(mode_file), *on_this_machine(mode_file),
+    cli = cli_main(["--config", str(root / "tutorial.yaml"), "--config", str(mode_file), *on_this_machine(mode_file),
                     f"--data.data_dir={tiny_synthetic}"], run=False)
     assert cli.datamodule.image_size == 224 and cli.trainer.max_epochs == 10  # the experiment's keys survive
     trainer = yaml.safe_load(mode_file.read_text())["trainer"]
@@ -46,7 +46,7 @@ def test_mode_files_set_only_trainer_keys_and_compose(mode, in_tmp, tiny_synthet
 
 def test_configs_compose_later_files_win(in_tmp, tiny_synthetic):
     root = CONFIGS[0].parent
-    cli = cli_main(["--config", str(root / "seed.yaml"), "--config", str(root / "quickstart.yaml"),
+    cli = cli_main(["--config", str(root / "tutorial.yaml"), "--config", str(root / "quickstart.yaml"),
                     f"--data.data_dir={tiny_synthetic}"], run=False)
     assert cli.datamodule.image_size == 64 and cli.trainer.max_epochs == 24
     assert cli.datamodule.crop_scale == (0.6, 1.0)

@@ -1,4 +1,4 @@
-"""python -m flowers export: state_dict for the seed's class, TorchScript and ONNX that match PyTorch."""
+"""python -m flowers export: state_dict for the tutorial's class, TorchScript and ONNX that match PyTorch."""
 
 import json
 import subprocess
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from flowers.analysis import load
 from flowers.export import main
-from flowers.inspect import load
-from tests.seed_alexnet import AlexNet as SeedAlexNet
 from tests.trained_run import best_checkpoint, trained_run
+from tests.tutorial_alexnet import AlexNet as TutorialAlexNet
 
 
 @pytest.fixture
@@ -30,15 +30,15 @@ def _class_indices(folder: Path) -> dict:
     return json.loads((folder / "class_indices.json").read_text())
 
 
-def test_state_dict_loads_strictly_into_the_seed_alexnet(ckpt, tmp_path):
+def test_state_dict_loads_strictly_into_the_tutorial_alexnet(ckpt, tmp_path):
     assert main(["--ckpt_path", str(ckpt), "--format", "state_dict", "--output", str(tmp_path)]) == 0
     state = torch.load(tmp_path / "AlexNet.pth", weights_only=True)
     assert next(iter(state)) == "features.0.weight" and not any(k.startswith("net.") for k in state)
-    seed = SeedAlexNet(num_classes=5)
-    seed.load_state_dict(state, strict=True)
-    images = torch.randn(2, 3, 224, 224)  # the seed's net has no adaptive pool: feed it its own size
+    tutorial = TutorialAlexNet(num_classes=5)
+    tutorial.load_state_dict(state, strict=True)
+    images = torch.randn(2, 3, 224, 224)  # the tutorial's net has no adaptive pool: feed it its own size
     with torch.inference_mode():
-        torch.testing.assert_close(seed.eval()(images), _reference(ckpt, images))
+        torch.testing.assert_close(tutorial.eval()(images), _reference(ckpt, images))
     assert _class_indices(tmp_path)["0"] == "daisy"
 
 

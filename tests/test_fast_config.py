@@ -151,7 +151,7 @@ def test_the_cache_never_upsamples_small_photos(in_tmp):
 
 
 @pytest.mark.parametrize("optimizer", [
-    None,  # the seed's Adam
+    None,  # the tutorial's Adam
     {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05, "momentum": 0.9, "nesterov": True,
                                                      "weight_decay": 5e-4}},
     {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "weight_decay": 0.05}},

@@ -2,14 +2,14 @@ import pytest
 import torch
 
 from flowers.model import AlexNet
-from tests.seed_alexnet import AlexNet as SeedAlexNet
+from tests.tutorial_alexnet import AlexNet as TutorialAlexNet
 
 
 def test_output_shape_and_parameter_count():
     net = AlexNet(num_classes=5).eval()
     assert net(torch.randn(2, 3, 224, 224)).shape == (2, 5)
     n_params = sum(p.numel() for p in net.parameters())
-    assert 14.5e6 < n_params < 14.7e6  # the seed's "about 14.6 M"
+    assert 14.5e6 < n_params < 14.7e6  # the tutorial's "about 14.6 M"
 
 
 def test_feature_map_shapes_follow_the_seed_table():
@@ -23,12 +23,12 @@ def test_feature_map_shapes_follow_the_seed_table():
 
 
 def test_state_dict_round_trips_with_the_seed_class_strictly():
-    ours, seed = AlexNet(num_classes=5), SeedAlexNet(num_classes=5)
-    assert list(ours.state_dict()) == list(seed.state_dict())
-    seed.load_state_dict(ours.state_dict(), strict=True)
+    ours, tutorial = AlexNet(num_classes=5), TutorialAlexNet(num_classes=5)
+    assert list(ours.state_dict()) == list(tutorial.state_dict())
+    tutorial.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(3, 3, 224, 224)
-    torch.testing.assert_close(seed.eval()(x), ours.eval()(x))
-    ours.load_state_dict(SeedAlexNet(num_classes=5).state_dict(), strict=True)
+    torch.testing.assert_close(tutorial.eval()(x), ours.eval()(x))
+    ours.load_state_dict(TutorialAlexNet(num_classes=5).state_dict(), strict=True)
 
 
 @pytest.mark.parametrize("size", [64, 96, 160, 256])

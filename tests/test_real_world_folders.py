@@ -9,7 +9,8 @@ from PIL import Image
 
 from flowers.cli import cli_main
 from flowers.data.folders import drop_unreadable, list_images
-from flowers.data.transforms import eval_transform, load_rgb, train_transform
+from flowers.data.images import load_rgb
+from flowers.data.transforms import eval_transform, train_transform
 from tests.conftest import TINY_RUN, write_images
 
 CROP = 64  # TINY_RUN's image size

@@ -21,7 +21,7 @@ from flowers.module import FlowerClassifier
 from tests.test_ddp import finish, start
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-RECIPES = [None, "seed.yaml", "quickstart.yaml", "best.yaml"]  # gpu/dp/ddp/multinode/slurm need GPUs or clusters
+RECIPES = [None, "tutorial.yaml", "quickstart.yaml", "best.yaml"]  # gpu/dp/ddp/multinode/slurm need GPUs or clusters
 RUNS, DDP_RUNS = 30, 2
 SHRINK = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
           "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--data.image_size=64",

@@ -1,10 +1,10 @@
-"""The seed's augmentation and eval resize, on batches of cached uint8 squares, on the batch's device.
+"""The tutorial's augmentation and eval resize, on batches of cached uint8 squares, on the batch's device.
 
 torchvision's RandomResizedCrop draws one box per call on one image; here one call draws a box and a
 flip per image of the batch with the same rule (vectorised), on the host, in the training loader
 (``WithTrainViews``); then, on the training device, the whole batch is cropped and resized, flipped and
 normalised at once. Drawing on the host keeps about 80 tiny operations a batch off the GPU, where each
-would be a kernel launch, and launches, not arithmetic, bound the seed's batch of 32 on a large GPU.
+would be a kernel launch, and launches, not arithmetic, bound the tutorial's batch of 32 on a large GPU.
 
 The crop and resize is done two ways, by device. On CPU, each image goes through torchvision's uint8
 ``resized_crop`` (its fast path: about 0.2 ms an image at 224 px on this project's 2-core CPU). On CUDA,
@@ -31,14 +31,14 @@ from torch.utils.data import default_collate, get_worker_info
 from torchvision.ops import roi_align
 from torchvision.transforms.v2 import functional as F
 
-from flowers.data.transforms import SEED_MEAN, SEED_STD
+from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 
-SEED_RATIO = (3 / 4, 4 / 3)
+TUTORIAL_RATIO = (3 / 4, 4 / 3)
 ATTEMPTS = 10  # as torchvision's RandomResizedCrop.get_params
 
 
 def sample_crop_boxes(
-    sizes: torch.Tensor, *, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = SEED_RATIO,
+    sizes: torch.Tensor, *, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = TUTORIAL_RATIO,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``(top, left, height, width)`` per row of ``sizes`` (``height, width``), drawn as ``get_params`` does.
@@ -96,7 +96,7 @@ def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]
 
 
 def draw_train_views(
-    sizes: torch.Tensor, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = SEED_RATIO,
+    sizes: torch.Tensor, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = TUTORIAL_RATIO,
     hflip_prob: float = 0.5, generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each image's random view: its crop box on the ``side``² square its original (of ``sizes``) was
@@ -116,7 +116,7 @@ def draw_train_views(
 
 def crop_flip_normalise(
     squares: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor, *, crop_size: int,
-    mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD, channels_last: bool = False,
+    mean: Sequence[float] = TUTORIAL_MEAN, std: Sequence[float] = TUTORIAL_STD, channels_last: bool = False,
     batched: bool | None = None,
 ) -> torch.Tensor:
     """The views of ``draw_train_views`` cut from ``N × 3 × S × S`` uint8 squares: float ``N × 3 × c × c``,
@@ -142,7 +142,7 @@ class WithTrainViews:
     global rank when several train together (ddp), else None.
     """
 
-    def __init__(self, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = SEED_RATIO,
+    def __init__(self, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = TUTORIAL_RATIO,
                  hflip_prob: float = 0.5, rank: int | None = None) -> None:
         self.side, self.scale, self.ratio, self.hflip_prob = side, tuple(scale), tuple(ratio), hflip_prob
         self.rank = rank
@@ -183,8 +183,8 @@ def _crop_batched(squares: torch.Tensor, boxes: torch.Tensor, crop_size: int) ->
 
 
 def eval_batch(
-    squares: torch.Tensor, *, crop_size: int, mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD,
-    channels_last: bool = False,
+    squares: torch.Tensor, *, crop_size: int, mean: Sequence[float] = TUTORIAL_MEAN,
+    std: Sequence[float] = TUTORIAL_STD, channels_last: bool = False,
 ) -> torch.Tensor:
     """``eval_transform`` (squash to ``crop_size²``) on the cached squares, the whole batch in one resize."""
     if squares.shape[-1] != crop_size or squares.shape[-2] != crop_size:

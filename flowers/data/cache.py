@@ -5,7 +5,7 @@ squash-resized to ``S × S`` with ``S ≈ 1.14 × image_size`` (256 for 224; nev
 short side among the photos, so small photos are not upsampled twice), plus ``sizes.npy``, each
 original ``(height, width)``. Squashing loses no part of the photo and keeps one fixed shape, so batches
 collate without padding; the augmentation draws its crop boxes in the original's coordinates and maps
-them onto the square (flowers.data.batch_augment), so crop areas and aspect ratios stay the seed's, and
+them onto the square (flowers.data.batch_augment), so crop areas and aspect ratios stay the tutorial's, and
 the eval squash to ``image_size²`` is a plain resize of the square. 224 px: 196 KB an image,
 630 MB for the 3,216 flower photos.
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from flowers.data.images import load_rgb
 from flowers.data.locking import folder_lock
-from flowers.data.transforms import load_rgb
 from flowers.errors import DataError
 
 log = logging.getLogger(__name__)

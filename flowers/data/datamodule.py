@@ -34,21 +34,21 @@ class FlowerDataModule(L.LightningDataModule):
 
     Args:
         data_dir: ``root/<class>/…`` (split by ``val_split``) or ``root/train/<class>/…`` plus
-            ``root/val/<class>/…`` (the seed's layout); an optional ``root/test/<class>/…`` is the
+            ``root/val/<class>/…`` (the tutorial's layout); an optional ``root/test/<class>/…`` is the
             test set. Unset: the synthetic set, drawn into ``synthetic_dir`` on first use.
         class_names: the classes a checkpoint was trained on; the folders must have exactly these.
             The CLI fills it from ``--ckpt_path``, so ``predict`` needs no training data.
         val_split: fraction of each class held out for validation in the single-folder layout.
         split_seed: seed of that split; the split never depends on the global seed or the rank.
-        image_size: side of the square the network sees in training (the seed's 224).
+        image_size: side of the square the network sees in training (the tutorial's 224).
         eval_image_size: side of the validation/test/predict square; defaults to ``image_size``. The
             random crops of training make objects look larger than in the full-image eval squash, so
             evaluating about 4/3 larger matches them (Touvron et al., "Fixing the train-test resolution
             discrepancy", 2019); the network's adaptive pooling takes any size.
-        crop_scale: area range of the training RandomResizedCrop (the seed's, torchvision's default).
+        crop_scale: area range of the training RandomResizedCrop (the tutorial's, torchvision's default).
         batch_size: per process: under ddp the global batch is ``batch_size × world size``.
         eval_batch_size: batch for val/test/predict; defaults to ``batch_size``.
-        num_workers: loader processes per training process; default the seed's
+        num_workers: loader processes per training process; default the tutorial's
             ``min(cpu_count, batch_size, 8)``, divided among the processes of this machine; 0 with
             ``cache`` when not training on CUDA (the training process copies cached items itself).
         predict_dir: a folder (searched recursively) or one image file for ``predict``.
@@ -291,7 +291,7 @@ class FlowerDataModule(L.LightningDataModule):
             # process competes with the intra-op threads for the same cores. On 2 cores, 2 workers were
             # no faster than 0 in the bench (141.8 vs 140.8 img/s in one pair of runs, 136.3 vs 149.5 in another).
             return 0
-        # The seed's rule, shared among this machine's training processes so ddp does not oversubscribe.
+        # The tutorial's rule, shared among this machine's training processes so ddp does not oversubscribe.
         local_processes = 1
         if self.trainer is not None:
             local_processes = max(1, self.trainer.world_size // max(1, self.trainer.num_nodes))

@@ -1,4 +1,4 @@
-"""Map-style datasets over file lists (PIL decode per item, as the seed's ImageFolder does)."""
+"""Map-style datasets over file lists (PIL decode per item, as the tutorial's ImageFolder does)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from flowers.data.folders import Sample
-from flowers.data.transforms import DECODE_ERRORS, load_rgb
+from flowers.data.images import DECODE_ERRORS, load_rgb
 from flowers.errors import DataError
 
 

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     print(f"The flower photos are in {root} ({len(classes)} classes: {', '.join(classes)}).")
-    print(f"Train on them: python -m flowers fit --config configs/seed.yaml --data.data_dir {root}")
+    print(f"Train on them: python -m flowers fit --config configs/tutorial.yaml --data.data_dir {root}")
     return 0
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import UnidentifiedImageError
 
-from flowers.data.transforms import DECODE_ERRORS, open_image
+from flowers.data.images import DECODE_ERRORS, open_image
 from flowers.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def _is_class_dir(entry: os.DirEntry, root: Path) -> bool:
 
 
 def is_split_layout(root: Path) -> bool:
-    """The seed's layout: root/train/<class>/ and root/val/<class>/."""
+    """The tutorial's layout: root/train/<class>/ and root/val/<class>/."""
     return (root / "train").is_dir() and (root / "val").is_dir()
 
 

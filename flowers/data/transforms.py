@@ -1,76 +1,18 @@
-"""Transform builders; the defaults are the seed's (Normalize with mean = std = 0.5)."""
+"""Transform builders; the defaults are the tutorial's (Normalize with mean = std = 0.5)."""
 
 from __future__ import annotations
 
-import os
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
-import numpy as np
-from PIL import Image, ImageOps
 from torchvision import transforms as T
 
-SEED_MEAN = (0.5, 0.5, 0.5)
-SEED_STD = (0.5, 0.5, 0.5)
-
-
-# What PIL raises for broken, truncated, foreign or oversized files (DecompressionBombError is none of the others).
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
-
-
-@contextmanager
-def open_image(path: str) -> Iterator[Image.Image]:
-    """``Image.open`` that refuses what would hang or exhaust the process instead of decoding it.
-
-    PIL only *warns* between ``MAX_IMAGE_PIXELS`` (89 M pixels) and twice that, then decodes: a 1-bit PNG
-    of a few kB can ask for hundreds of MB per worker. Both levels raise ``DecompressionBombError`` here.
-    A FIFO or device named ``*.jpg`` would block ``open`` forever: only regular files are opened.
-    """
-    if not os.path.isfile(path):
-        raise OSError(f"not a regular file: {path}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            image = Image.open(path)
-        except Image.DecompressionBombWarning as warning:
-            raise Image.DecompressionBombError(f"decompression bomb refused: {warning}") from None
-    with image:
-        yield image
-
-
-def load_rgb(path: str) -> Image.Image:
-    """Open any image as RGB: grayscale, 16-bit, palette, RGBA and CMYK are converted, EXIF rotation applied."""
-    with open_image(path) as image:
-        try:
-            image = ImageOps.exif_transpose(image)
-        except Exception:  # a malformed EXIF block must not cost the photo: use it unrotated
-            pass
-        image = _to_8bit(image)
-        if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-            # Composite transparent pixels on white instead of the black that .convert gives.
-            image = image.convert("RGBA")
-            background = Image.new("RGB", image.size, (255, 255, 255))
-            background.paste(image, mask=image.getchannel("A"))
-            return background
-        return image.convert("RGB")
-
-
-def _to_8bit(image: Image.Image) -> Image.Image:
-    # 16-bit and float grayscale (PNG, TIFF): .convert("RGB") clips every value above 255 to white.
-    if image.mode not in ("I", "F") and not image.mode.startswith("I;16"):
-        return image
-    pixels = np.asarray(image, dtype=np.float64)
-    if image.mode == "F":
-        scale = 1 / 255 if pixels.max(initial=0) <= 1 else 1  # floats are usually 0..1
-    else:
-        scale = 257 if image.mode.startswith("I;16") or pixels.max(initial=0) > 255 else 1
-    return Image.fromarray(np.clip(pixels / scale, 0, 255).round().astype(np.uint8), "L")
+TUTORIAL_MEAN = (0.5, 0.5, 0.5)
+TUTORIAL_STD = (0.5, 0.5, 0.5)
 
 
 def train_transform(
     *, crop_size: int = 224, crop_scale: tuple[float, float] = (0.08, 1.0), hflip_prob: float = 0.5,
-    mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD,
+    mean: Sequence[float] = TUTORIAL_MEAN, std: Sequence[float] = TUTORIAL_STD,
 ) -> T.Compose:
     steps = [T.RandomResizedCrop(crop_size, scale=crop_scale, antialias=True)]
     if hflip_prob > 0:
@@ -80,7 +22,7 @@ def train_transform(
 
 
 def eval_transform(
-    *, crop_size: int = 224, mean: Sequence[float] = SEED_MEAN, std: Sequence[float] = SEED_STD,
+    *, crop_size: int = 224, mean: Sequence[float] = TUTORIAL_MEAN, std: Sequence[float] = TUTORIAL_STD,
 ) -> T.Compose:
-    # The seed squashes to a square (Resize((224, 224))) rather than resize-then-centre-crop.
+    # The tutorial squashes to a square (Resize((224, 224))) rather than resize-then-centre-crop.
     return T.Compose([T.Resize((crop_size, crop_size), antialias=True), T.ToTensor(), T.Normalize(mean, std)])

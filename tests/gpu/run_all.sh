@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU-specific check in one call, for a machine lent for a few minutes (CI has no GPU):
 #   DATA=path/to/flower_photos RESULTS=out/ tests/gpu/run_all.sh
-# 1. the benchmark on the real photos: plain loop (a), fit with the seed's settings (b), fast.yaml (c),
+# 1. the benchmark on the real photos: plain loop (a), fit with the tutorial's settings (b), fast.yaml (c),
 #    compute floor and loaders, on CUDA (issue 5's GPU targets: c >= 5x a, c >= 50 % of the floor);
 # 2. tests/gpu/check_modes.sh: one GPU fp32/bf16, auto, dp (fp16, bf16, two replicas on GPU 0), ddp if 2+ GPUs;
 # 3. val accuracy after 10 epochs, a vs c, over 4 seeds (cheap here, slow on 2 CPU cores), and c in fp32;
@@ -9,7 +9,7 @@
 #    CUDA graphs and in its default mode, the cache in host memory; ABLATE_MORE adds --ablate flags, e.g.
 #    ABLATE_MORE="--ablate trainer.precision=32-true"), the speed share of each; "accuracy_ablate": the
 #    10-epoch accuracy of c against c on the PIL loader (data.cache=false), 4 seeds; "profile": where the
-#    host's time goes in each training step of the CLI's fit with fast.yaml and with the seed's settings
+#    host's time goes in each training step of the CLI's fit with fast.yaml and with the tutorial's settings
 #    (Lightning's simple profiler: on a GPU its times are the host's, which bounds a launch-bound step);
 #    "ceiling": a, b and c with a network that costs next to nothing (bench --network free), each
 #    loop's own ceiling: whether c >= 5x a is reachable at all by making the network faster.
@@ -29,7 +29,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$ROOT"
 
 STEPS=${STEPS:-bench modes accuracy accuracy_fp32}
-[[ " $STEPS " == *" profile "* ]] && STEPS="$STEPS profile_fast profile_seed"
+[[ " $STEPS " == *" profile "* ]] && STEPS="$STEPS profile_fast profile_tutorial"
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, output to the console and $RESULTS/NAME.txt
     local name=$1 seconds=$2
     shift 2
@@ -65,8 +65,8 @@ step ceiling "${CEILING_S:-90}" "$PY" -m flowers.bench --data-dir "$DATA" --vari
 step accuracy_ablate "${ACCURACY_S:-150}" "$PY" -m flowers.bench --data-dir "$DATA" --variants c --repeats 4 \
     --epochs 10 --warmup-batches 0 --ablate data.cache=false --json "$RESULTS/accuracy_ablate.json"
 PROFILE_DIR=$(mktemp -d -t flowers-gpu-profile-XXXXXX)
-for config in fast seed; do  # c's and b's settings through the CLI (with its logger and callbacks)
-    configs="--config $ROOT/configs/seed.yaml"
+for config in fast tutorial; do  # c's and b's settings through the CLI (with its logger and callbacks)
+    configs="--config $ROOT/configs/tutorial.yaml"
     [ "$config" = fast ] && configs="$configs --config $ROOT/configs/fast.yaml"
     step "profile_$config" "${PROFILE_S:-120}" bash -c "cd '$PROFILE_DIR' && '$PY' -m flowers fit $configs \
         --data.data_dir '$DATA' --trainer.max_epochs=1 --trainer.limit_val_batches=2 --trainer.profiler=simple 2>&1 \

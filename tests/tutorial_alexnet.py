@@ -1,4 +1,4 @@
-"""The seed document's AlexNet class, verbatim in structure, to prove state_dict compatibility."""
+"""The tutorial's AlexNet class, verbatim in structure, to prove state_dict compatibility."""
 
 import torch
 from torch import nn

@@ -1,11 +1,11 @@
-"""flowers.inspect: the Python API behind the checkpoint notebook."""
+"""flowers.analysis: the Python API behind the checkpoint notebook."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from flowers import inspect
+from flowers import analysis
 from tests.conftest import write_images
 from tests.trained_run import best_checkpoint, trained_run
 
@@ -19,26 +19,26 @@ def run_dir(tmp_path_factory, tiny_synthetic) -> Path:
 
 def test_find_checkpoints_and_the_newest_best(run_dir):
     runs = run_dir.parents[1]
-    found = inspect.find_checkpoints(runs)
+    found = analysis.find_checkpoints(runs)
     assert {p.name for p in found} >= {"last.ckpt"} and len(found) == 2
-    assert inspect.newest_best_checkpoint(runs) == best_checkpoint(run_dir)
-    assert inspect.run_dir_of(best_checkpoint(run_dir)) == run_dir
+    assert analysis.newest_best_checkpoint(runs) == best_checkpoint(run_dir)
+    assert analysis.run_dir_of(best_checkpoint(run_dir)) == run_dir
     with pytest.raises(FileNotFoundError):
-        inspect.newest_best_checkpoint(run_dir / "checkpoints" / "nothing-here")
+        analysis.newest_best_checkpoint(run_dir / "checkpoints" / "nothing-here")
 
 
 def test_load_gives_model_class_names_and_hparams(run_dir):
-    model, names, hparams = inspect.load(best_checkpoint(run_dir))
+    model, names, hparams = analysis.load(best_checkpoint(run_dir))
     assert names == NAMES and hparams["num_classes"] == 5 and not model.training
-    assert inspect.image_size_of(best_checkpoint(run_dir)) == 64  # from the run's config.yaml
+    assert analysis.image_size_of(best_checkpoint(run_dir)) == 64  # from the run's config.yaml
 
 
 def test_evaluate_reproduces_the_logged_val_acc(run_dir, tiny_synthetic):
     ckpt = best_checkpoint(run_dir)
-    model, _, _ = inspect.load(ckpt)
-    datamodule = inspect.datamodule_for(ckpt, model)
+    model, _, _ = analysis.load(ckpt)
+    datamodule = analysis.datamodule_for(ckpt, model)
     assert datamodule.data_dir == tiny_synthetic and datamodule.image_size == 64
-    result = inspect.evaluate(model, datamodule)
+    result = analysis.evaluate(model, datamodule)
     n = len(result.labels)
     assert result.confusion.shape == (5, 5) and int(result.confusion.sum()) == n == len(result.paths)
     assert result.accuracy == pytest.approx(float(result.confusion.trace()) / n)
@@ -53,11 +53,11 @@ def test_evaluate_reproduces_the_logged_val_acc(run_dir, tiny_synthetic):
 
 
 def test_predict_rows_with_top_k_and_errors(run_dir, tmp_path):
-    model, _, _ = inspect.load(best_checkpoint(run_dir))
+    model, _, _ = analysis.load(best_checkpoint(run_dir))
     good = write_images(tmp_path / "imgs", 2)
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"not a jpeg")
-    rows = inspect.predict(model, [*good, broken, tmp_path / "missing.png"], top_k=2, image_size=64)
+    rows = analysis.predict(model, [*good, broken, tmp_path / "missing.png"], top_k=2, image_size=64)
     assert [r["error"] is None for r in rows] == [True, True, False, False]
     first = rows[0]
     assert first["prediction"] == first["top_k"][0]["class"] and len(first["top_k"]) == 2
@@ -66,15 +66,15 @@ def test_predict_rows_with_top_k_and_errors(run_dir, tmp_path):
 
 
 def test_compare_checkpoints_scores_each_one(run_dir):
-    rows = inspect.compare_checkpoints(run_dir / "checkpoints")
+    rows = analysis.compare_checkpoints(run_dir / "checkpoints")
     assert [r["checkpoint"] for r in rows] == sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
     last = next(r for r in rows if r["checkpoint"] == "last.ckpt")
     assert last["epoch"] in (0, 1) and 0 <= last["val_acc"] <= 1
 
 
 def test_read_scalars_and_per_epoch_curves(run_dir):
-    scalars = inspect.read_scalars(run_dir)
+    scalars = analysis.read_scalars(run_dir)
     assert {"val/acc", "train/loss_epoch", "epoch"} <= set(scalars)
-    assert [epoch for epoch, _ in inspect.per_epoch(scalars, "val/acc")][:2] == [0, 1]
+    assert [epoch for epoch, _ in analysis.per_epoch(scalars, "val/acc")][:2] == [0, 1]
     assert all(isinstance(v, float) for _, v in scalars["val/loss"])
     assert torch.isfinite(torch.tensor([v for _, v in scalars["train/loss_epoch"]])).all()
