@@ -22,8 +22,7 @@ train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minute
 	$(BIN)/python -m flowers fit --config $(CONFIG)
 
 data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_photos, once
-	@# flowers.data imports the module before runpy runs it; the warning that causes is harmless.
-	$(BIN)/python -W ignore::RuntimeWarning:runpy -m flowers.data.download
+	$(BIN)/flowers download
 
 test: $(STAMP)  ## run the default test suite (under 10 minutes on 2 cores)
 	$(BIN)/python -m pytest
@@ -35,10 +34,10 @@ test-all: $(STAMP)  ## run every test
 	$(BIN)/python -m pytest -m ''
 
 lint: $(STAMP)  ## ruff
-	$(BIN)/ruff check flowers tests
+	$(BIN)/ruff check flowers tests benchmarks
 
 bench: $(STAMP)  ## time an epoch: plain PyTorch vs Lightning vs configs/fast.yaml (needs `make data`)
-	$(BIN)/python -m flowers.bench $(BENCH_ARGS)
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 
 tensorboard: $(STAMP)  ## serve the logs under runs/ on http://127.0.0.1:6006
 	$(BIN)/tensorboard --logdir runs --host 127.0.0.1 --port 6006

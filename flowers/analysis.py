@@ -22,39 +22,24 @@ from torchmetrics.classification import (
     MulticlassRecall,
 )
 
-from flowers.callbacks import prediction_rows
 from flowers.data import FlowerDataModule
 from flowers.data.datasets import UnlabelledImages
 from flowers.data.transforms import eval_transform
 from flowers.module import FlowerClassifier
+from flowers.predictions import prediction_rows
+from flowers.runs import CONFIG, find_checkpoints, newest_best_checkpoint, run_dir_of
+
+__all__ = ["Evaluation", "compare_checkpoints", "datamodule_for", "evaluate", "find_checkpoints", "image_size_of",
+           "load", "newest_best_checkpoint", "per_epoch", "predict", "read_scalars", "run_config", "run_dir_of"]
 
 # The run's data settings worth reusing to rebuild its validation split (not loaders or predict inputs).
 DATA_KEYS = ("data_dir", "val_split", "split_seed", "image_size", "eval_image_size", "eval_batch_size", "batch_size",
              "synthetic_dir", "synthetic_per_class", "synthetic_size")
 
 
-def find_checkpoints(runs_dir: str | Path = "runs") -> list[Path]:
-    """Every ``*.ckpt`` under ``runs_dir``, oldest first."""
-    return sorted(Path(runs_dir).rglob("*.ckpt"), key=lambda p: (p.stat().st_mtime, str(p)))
-
-
-def newest_best_checkpoint(runs_dir: str | Path = "runs") -> Path:
-    checkpoints = find_checkpoints(runs_dir)
-    best = [p for p in checkpoints if p.name.startswith("best")]
-    if not (best or checkpoints):
-        raise FileNotFoundError(f"no checkpoints under {runs_dir}: train one with `make train`")
-    return (best or checkpoints)[-1]
-
-
-def run_dir_of(ckpt: str | Path) -> Path:
-    """``runs/flowers/version_N`` for ``runs/flowers/version_N/checkpoints/x.ckpt``."""
-    ckpt = Path(ckpt)
-    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-
-
 def run_config(ckpt: str | Path) -> dict:
     """The run's ``config.yaml`` as a dict, or ``{}`` when the checkpoint was moved away from its run."""
-    path = run_dir_of(ckpt) / "config.yaml"
+    path = run_dir_of(ckpt) / CONFIG
     return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 

@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import os
 from pathlib import Path
-from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from flowers import lightning_internals, runs
 from flowers.figures import confusion_matrix_image, prediction_grid
+from flowers.files import atomic_write_text
 
 
 def write_class_indices(path: Path, class_names: list[str]) -> None:
     """The tutorial's ``class_indices.json``: ``{"0": "daisy", …}``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({str(i): name for i, name in enumerate(class_names)}, indent=4) + "\n")
+    atomic_write_text(path, json.dumps({str(i): name for i, name in enumerate(class_names)}, indent=4) + "\n")
 
 
 class ClassIndicesWriter(L.Callback):
@@ -32,84 +28,7 @@ class ClassIndicesWriter(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         checkpoint = trainer.checkpoint_callback
         folder = Path(checkpoint.dirpath) if checkpoint and checkpoint.dirpath else Path(trainer.default_root_dir)
-        write_class_indices(folder / "class_indices.json", pl_module.class_names)
-
-
-class PredictionWriter(BasePredictionWriter):
-    """Writes ``predictions.csv``: ``path``, ``prediction`` (a class name), one probability per class, then
-    ``top1``, ``top1_prob`` … ``topK``, ``topK_prob`` and ``error`` (empty unless the image could not be read;
-    such a row has no prediction and no probabilities).
-
-    Args:
-        output: the CSV file; default ``predictions.csv`` in the run's log folder
-            (``runs/flowers/version_N/``), which ``predict`` prints at the end. JSON goes beside it as ``.json``.
-        top_k: how many of the most probable classes each row lists (capped at the number of classes).
-        format: ``csv``, ``json`` (a list of objects, one per image) or ``both``.
-    """
-
-    def __init__(self, output: str | None = None, top_k: int = 3,
-                 format: Literal["csv", "json", "both"] = "csv") -> None:
-        super().__init__(write_interval="epoch")
-        if top_k < 1:
-            raise ValueError(f"predictions.top_k must be at least 1, got {top_k}")
-        self.output = output
-        self.top_k = top_k
-        self.format = format
-        self.written: Path | None = None  # the CSV, or the JSON when only that is written
-        self.outputs: list[Path] = []
-
-    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
-        if not trainer.is_global_zero:
-            return
-        paths = trainer.predict_dataloaders.dataset.paths
-        rows = prediction_rows(predictions, paths, pl_module.class_names, self.top_k)
-        csv_path = Path(self.output) if self.output else Path(trainer.log_dir or ".") / "predictions.csv"
-        self.outputs = []
-        if self.format in ("csv", "both"):
-            self.outputs.append(_write_atomically(csv_path, _csv_text(rows, pl_module.class_names, self.top_k)))
-        if self.format in ("json", "both"):
-            self.outputs.append(_write_atomically(csv_path.with_suffix(".json"), json.dumps(rows, indent=2) + "\n"))
-        self.written = self.outputs[0]
-        failed = sum(bool(row["error"]) for row in rows)
-        rank_zero_info(f"Predictions for {len(rows)} images ({failed} unreadable) written to "
-                       + ", ".join(map(str, self.outputs)))
-
-
-def prediction_rows(predictions, paths: list[str], names: list[str], top_k: int) -> list[dict]:
-    """One dict per image from predict_step outputs: path, prediction, probs {class: p}, top_k, error."""
-    rows = []
-    for batch in predictions:
-        for index, probs, error in zip(batch["index"].tolist(), batch["probs"], batch["error"], strict=True):
-            row = {"path": paths[index], "prediction": None, "probs": {}, "top_k": [], "error": error or None}
-            if not error:
-                values, order = probs.topk(min(top_k, len(names)))
-                ranked = zip(values.tolist(), order.tolist(), strict=True)
-                row.update(prediction=names[int(order[0])], probs=dict(zip(names, probs.tolist(), strict=True)),
-                           top_k=[{"class": names[i], "prob": v} for v, i in ranked])
-            rows.append(row)
-    return rows
-
-
-def _csv_text(rows: list[dict], names: list[str], top_k: int) -> str:
-    k = min(top_k, len(names))
-    handle = io.StringIO()
-    writer = csv.writer(handle)
-    # path, prediction and the per-class columns come first: other tools rely on exactly that prefix.
-    writer.writerow(["path", "prediction", *names, *(f"top{i}{s}" for i in range(1, k + 1) for s in ("", "_prob")),
-                     "error"])
-    for row in rows:
-        probs = [f"{row['probs'][n]:.6f}" if row["probs"] else "" for n in names]
-        ranked = [x for t in row["top_k"] for x in (t["class"], f"{t['prob']:.6f}")] or [""] * (2 * k)
-        writer.writerow([row["path"], row["prediction"] or "", *probs, *ranked, row["error"] or ""])
-    return handle.getvalue()
-
-
-def _write_atomically(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a reader never sees a half-written file
-    return path
+        write_class_indices(folder / runs.CLASS_INDICES, pl_module.class_names)
 
 
 def _tensorboard(trainer: L.Trainer) -> TensorBoardLogger | None:
@@ -154,9 +73,7 @@ class TensorBoardPictures(L.Callback):
         self.confusion = None
         if not trainer.is_global_zero:
             return
-        # The step Lightning's logger connector gives the val scalars (global_step - 1 here), so the
-        # images line up with the val/acc points.
-        self._step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        self._step = lightning_internals.logged_step(trainer)  # where the val/acc points of this epoch are
         writer = _tensorboard(trainer).experiment
         writer.add_image("val/confusion_matrix", confusion_matrix_image(matrix, pl_module.class_names), self._step)
         if self._grid:

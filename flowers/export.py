@@ -1,15 +1,18 @@
-"""``python -m flowers export``: a checkpoint's plain AlexNet for use outside Lightning.
+"""``flowers export``: a checkpoint's plain AlexNet for use outside Lightning.
 
 Formats, each written into ``--output`` (default ``<checkpoint folder>/export``) with ``class_indices.json``:
   state_dict   ``AlexNet.pth``, the tutorial's file: keys ``features.0.weight`` …, loads into the tutorial's class
-  torchscript  ``AlexNet.torchscript.pt`` (``torch.jit.load``; no flowers code needed)
-  onnx         ``AlexNet.onnx``, input ``images`` [batch, 3, S, S] normalised as in training, output ``logits``
+  onnx         ``AlexNet.onnx``, input ``images`` [batch, 3, S, S] normalised as in training, output ``logits``;
+               the recommended format outside PyTorch
+  torchscript  ``AlexNet.torchscript.pt`` (``torch.jit.load``; no flowers code needed); torch deprecates
+               TorchScript, so it stays only while torch ships it
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,12 +20,13 @@ import torch
 from flowers.analysis import image_size_of, load
 from flowers.callbacks import write_class_indices
 from flowers.errors import ConfigError
+from flowers.runs import CLASS_INDICES
 
 FILENAMES = {"state_dict": "AlexNet.pth", "torchscript": "AlexNet.torchscript.pt", "onnx": "AlexNet.onnx"}
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m flowers export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="flowers export", description=__doc__.split("\n")[0])
     p.add_argument("--ckpt_path", required=True, help="a checkpoint written by `fit`")
     p.add_argument("--format", choices=sorted(FILENAMES), default="state_dict")
     p.add_argument("--output", help="folder for the exported files (default: <checkpoint folder>/export)")
@@ -45,10 +49,13 @@ def export(ckpt_path: str | Path, fmt: str, output: str | Path | None = None, im
     if fmt == "state_dict":
         torch.save(net.state_dict(), target)
     elif fmt == "torchscript":
-        torch.jit.save(torch.jit.script(net), str(target))
+        with warnings.catch_warnings():
+            # torch says TorchScript is deprecated on every script() call; docs/security.md recommends ONNX.
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\..* is deprecated", category=FutureWarning)
+            torch.jit.save(torch.jit.script(net), str(target))
     else:
         _export_onnx(net, example, target)
-    write_class_indices(folder / "class_indices.json", class_names)
+    write_class_indices(folder / CLASS_INDICES, class_names)
     return target
 
 

@@ -8,7 +8,6 @@ import math
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
@@ -185,13 +184,6 @@ class FlowerClassifier(L.LightningModule):
         if self.train_loss.update_count:  # an epoch with no training batches has nothing to log
             self.log("train/loss_epoch", self.train_loss, prog_bar=True)
             self.log_dict(self.train_metrics)
-
-    def setup(self, stage: str) -> None:
-        # Each rank would pick the next free runs/flowers/version_N on its own, racing rank 0's mkdir:
-        # all of them take rank 0's number (the process group is up by now).
-        logger = self.logger
-        if isinstance(logger, TensorBoardLogger) and self.trainer.world_size > 1:
-            logger._version = self.trainer.strategy.broadcast(logger.version)
 
     def on_fit_start(self) -> None:
         # Record how the run is spread: under dp one process splits each batch across its GPUs; under

@@ -10,7 +10,9 @@ import pytest
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
-REAL_PHOTOS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "flowers"
+# The real flower photos, read-only; the tests that need them skip where the folder is absent.
+REAL_PHOTOS = Path(os.environ.get("FLOWERS_DATA_DIR")
+                   or Path(__file__).resolve().parents[1].parent / "shared" / "data" / "flowers")
 
 # Arguments that shrink any fit/validate/predict to a few seconds on CPU.
 TINY_RUN = [
@@ -72,7 +74,7 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def real_photos() -> Path:
     if not REAL_PHOTOS.is_dir():
-        pytest.skip(f"real photos not found at {REAL_PHOTOS}")
+        pytest.skip(f"real photos not found at {REAL_PHOTOS} (set FLOWERS_DATA_DIR)")
     return REAL_PHOTOS
 
 

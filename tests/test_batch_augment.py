@@ -13,6 +13,7 @@ from torchvision import transforms as T
 from flowers.data import synthetic
 from flowers.data.batch_augment import crop_flip_normalise, draw_train_views, eval_batch, sample_crop_boxes
 from flowers.data.cache import _decode, cache_side
+from flowers.data.datasets import CachedBatch
 from flowers.data.transforms import eval_transform
 from tests.conftest import RecordOps
 
@@ -174,9 +175,10 @@ def test_the_training_loader_draws_each_images_view_reproducibly():
     # too (each seeded from the main process's generator), so the same seed gives the same views.
     from torch.utils.data import DataLoader
 
-    from flowers.data.batch_augment import WithTrainViews
+    from flowers.data.batch_augment import CachedTrainBatch, WithTrainViews
 
-    items = [(torch.full((3, 40, 40), i, dtype=torch.uint8), i % 5, torch.tensor([30 + i, 60])) for i in range(16)]
+    items = [CachedBatch(torch.full((3, 40, 40), i, dtype=torch.uint8), i % 5, torch.tensor([30 + i, 60]))
+             for i in range(16)]
     views = WithTrainViews(side=40, scale=(0.08, 1.0))
 
     def draw(workers: int):
@@ -185,6 +187,7 @@ def test_the_training_loader_draws_each_images_view_reproducibly():
 
     for workers in (0, 2):
         first, again = draw(workers), draw(workers)
+        assert all(isinstance(batch, CachedTrainBatch) for batch in first)
         for (squares, labels, boxes, flip), (_, _, boxes_again, flip_again) in zip(first, again, strict=True):
             assert squares.shape == (8, 3, 40, 40) and labels.shape == (8,)
             assert boxes.dtype == torch.int64 and flip.dtype == torch.bool
@@ -202,7 +205,8 @@ def test_ddp_ranks_draw_their_own_views_and_keep_their_global_generators_in_step
     # every rank from it. A single process keeps drawing from the global generator itself.
     from flowers.data.batch_augment import WithTrainViews
 
-    items = [(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]  # equal sizes: boxes comparable
+    # One size for all, so the ranks' boxes are comparable.
+    items = [CachedBatch(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]
 
     def collate(rank):
         torch.manual_seed(3)
@@ -228,7 +232,7 @@ def test_a_gpu_batch_is_a_handful_of_operations_with_no_host_data():
     from flowers.data.batch_augment import WithTrainViews, crop_flip_normalise
 
     cache = torch.randint(0, 256, (50, 3, 64, 64), dtype=torch.uint8)  # the cache held on the device
-    items = [(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]
+    items = [CachedBatch(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]
     indices, _, boxes, flip = WithTrainViews(side=64)(items)
     crop_flip_normalise(cache[indices], boxes, flip, crop_size=56, batched=True)  # first call builds constants
     with RecordOps() as record:
@@ -236,4 +240,4 @@ def test_a_gpu_batch_is_a_handful_of_operations_with_no_host_data():
     ops = record.ops
     assert images.shape == (32, 3, 56, 56) and images.is_contiguous(memory_format=torch.channels_last)
     assert not {"rand", "uniform_", "lift_fresh", "_local_scalar_dense"} & set(ops), ops
-    assert len(ops) <= 16, ops  # was 102 with the boxes drawn on the device
+    assert len(ops) <= 16, ops

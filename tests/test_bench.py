@@ -1,27 +1,38 @@
-"""`python -m flowers.bench` runs end to end on tiny data and reports every row (no timings checked)."""
+"""`python benchmarks/bench.py` runs end to end on tiny data and reports every row (no timings checked)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from flowers.bench import VARIANTS, main
-
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench.py"
+# Tiny images and batches, one floor step, no warm-up: a run takes seconds on CPU.
+TINY = ["--image-size", "64", "--batch-size", "4", "--num-workers", "0", "--floor-steps", "1", "--warmup-batches", "0"]
 
 
-def test_bench_prints_every_row_and_writes_json(in_tmp, tiny_synthetic, capsys):
+@pytest.fixture(scope="module")
+def bench():
+    # A script outside the package: loaded from its file, as `python benchmarks/bench.py` runs it.
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_prints_every_row_and_writes_json(bench, in_tmp, tiny_synthetic, capsys):
     out = in_tmp / "bench.json"
-    code = main(["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
-                 "--limit-batches", "1", "--repeats", "1", "--floor-steps", "1",
-                 "--warmup-batches", "0", "--json", str(out)])
+    code = bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "1", "--repeats", "1",
+                       "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    for row in ("a plain PyTorch loop", "b fit, seed settings", "b_cli fit + CLI logger/callbacks",
+    for row in ("a plain PyTorch loop", "b fit, tutorial settings", "b_cli fit + CLI logger/callbacks",
                 "c fit, configs/fast.yaml", "floor: train step on tensors", "loader alone", "cache build"):
         assert row in printed, row
     report = json.loads(out.read_text())
@@ -29,7 +40,7 @@ def test_bench_prints_every_row_and_writes_json(in_tmp, tiny_synthetic, capsys):
     assert all(len(runs) == 1 for runs in report["floor_runs"].values())  # one floor per repeat
     assert set(report["floor"]) == {"fp32", "bf16", "bf16_channels_last", "bf16_channels_last_fused"}
     assert set(report["loader"]) == {"pil", "cache"}
-    assert list(report["variants"]) == list(VARIANTS)
+    assert list(report["variants"]) == list(bench.VARIANTS)
     for result in report["variants"].values():
         assert len(result["runs"]) == 1 and result["runs"][0]["train_images"] == 4
         assert set(result["summary"]) == {"train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb", "val_acc"}
@@ -39,11 +50,10 @@ def test_bench_prints_every_row_and_writes_json(in_tmp, tiny_synthetic, capsys):
     assert report["config"]["fast_precision"] == "bf16-mixed"
 
 
-def test_bench_trains_several_epochs_and_reports_the_last_accuracy(in_tmp, tiny_synthetic, capsys):
+def test_bench_trains_several_epochs_and_reports_the_last_accuracy(bench, in_tmp, tiny_synthetic, capsys):
     out = in_tmp / "bench.json"
-    assert main(["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
-                 "--limit-batches", "2", "--repeats", "2", "--epochs", "2", "--floor-steps", "1", "--variants", "a,c",
-                 "--warmup-batches", "0", "--json", str(out)]) == 0
+    assert bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "2", "--repeats", "2",
+                       "--epochs", "2", "--variants", "a,c", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["config"]["epochs"] == 2
     order = [line.split(":")[0] for line in capsys.readouterr().err.splitlines() if line.startswith("# repeat")]
@@ -59,40 +69,37 @@ def test_bench_trains_several_epochs_and_reports_the_last_accuracy(in_tmp, tiny_
     assert report["variants"]["c"]["runs"][0]["workers"] == 0  # the cache path on CPU loads in-process
 
 
-def test_bench_ablations_run_c_with_the_named_settings_changed(in_tmp, tiny_synthetic, capsys):
+def test_bench_ablations_run_c_with_the_named_settings_changed(bench, in_tmp, tiny_synthetic, capsys):
     out = in_tmp / "bench.json"
-    assert main(["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
-                 "--limit-batches", "1", "--repeats", "1", "--floor-steps", "1", "--warmup-batches", "0",
-                 "--variants", "c", "--ablate", "model.channels_last=false",
-                 "--ablate", "data.cache=false trainer.precision=32-true model.fused_optimizer=false",
-                 "--json", str(out)]) == 0
+    assert bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "1", "--repeats", "1",
+                       "--variants", "c", "--ablate", "model.channels_last=false",
+                       "--ablate", "data.cache=false trainer.precision=32-true model.fused_optimizer=false",
+                       "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "c1 c with model.channels_last=false" in printed
     assert "c2 c with data.cache=false trainer.precision=32-true model.fused_optimizer=false" in printed
     variants = json.loads(out.read_text())["variants"]
     used = {name: result["runs"][0]["used"] for name, result in variants.items()}
     assert used["c"] == {"network": "AlexNet", "precision": "bf16-mixed", "cache": True, "channels_last": True,
-                         "fused_optimizer": True, "eval_batch_size": 128}
-    assert used["c1"] == {**used["c"], "channels_last": False}
+                         "data_channels_last": True, "fused_optimizer": True, "eval_batch_size": 128}
+    assert used["c1"] == {**used["c"], "channels_last": False, "data_channels_last": False}  # batches follow the model
     assert used["c2"] == {**used["c"], "precision": "32-true", "cache": False, "fused_optimizer": False}
 
 
-def test_bench_free_network_runs_every_variant_and_the_floor_without_the_alexnet(in_tmp, tiny_synthetic, capsys,
-                                                                                  monkeypatch):
+def test_bench_free_network_runs_every_variant_and_the_floor_without_the_alexnet(bench, in_tmp, tiny_synthetic,
+                                                                                  capsys, monkeypatch):
     # --network free: the loops' ceilings. No AlexNet may be built anywhere, or a figure would include its work.
-    import flowers.bench
     import flowers.module
 
     def no_alexnet(*args, **kwargs):
         raise AssertionError("an AlexNet was built under --network free")
 
     out = in_tmp / "bench.json"
-    argv = ["--data-dir", str(tiny_synthetic), "--image-size", "64", "--batch-size", "4", "--num-workers", "0",
-            "--limit-batches", "2", "--repeats", "1", "--floor-steps", "1", "--warmup-batches", "0",
+    argv = ["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "2", "--repeats", "1",
             "--variants", "a,b,c", "--network", "free", "--json", str(out)]
-    monkeypatch.setattr(flowers.bench, "AlexNet", no_alexnet)
+    monkeypatch.setattr(bench, "AlexNet", no_alexnet)
     monkeypatch.setattr(flowers.module, "AlexNet", lambda num_classes, **kwargs: torch.nn.Linear(1, num_classes))
-    assert main(argv) == 0
+    assert bench.main(argv) == 0
     assert "--network free: every variant and the floor ran a network" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["config"]["network"] == "free"
@@ -101,17 +108,26 @@ def test_bench_free_network_runs_every_variant_and_the_floor_without_the_alexnet
     assert all(result["runs"][0]["train_images"] == 8 for result in report["variants"].values())
 
 
-def test_bench_refuses_a_missing_data_dir_and_unknown_variants(in_tmp, capsys):
-    assert main(["--data-dir", str(in_tmp / "nowhere")]) == 2
+def test_bench_refuses_a_missing_data_dir_and_unknown_variants(bench, in_tmp, capsys):
+    assert bench.main(["--data-dir", str(in_tmp / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["--data-dir", str(in_tmp), "--variants", "a,z"]) == 2
+    assert bench.main(["--data-dir", str(in_tmp), "--variants", "a,z"]) == 2
     assert "unknown" in capsys.readouterr().err
-    assert main(["--data-dir", str(in_tmp), "--ablate", "model.colour=red"]) == 2
+    assert bench.main(["--data-dir", str(in_tmp), "--ablate", "model.colour=red"]) == 2
     assert "--ablate 'model.colour=red': expected SECTION.NAME=VALUE" in capsys.readouterr().err
 
 
-def test_bench_is_a_module_and_a_make_target():
-    help_text = subprocess.run([sys.executable, "-m", "flowers.bench", "--help"], cwd=ROOT, capture_output=True,
+def test_bench_data_dir_defaults_to_flowers_data_dir(bench, in_tmp, monkeypatch, capsys):
+    monkeypatch.setenv("FLOWERS_DATA_DIR", str(in_tmp))
+    assert bench.parse_args([]).data_dir == in_tmp
+    monkeypatch.delenv("FLOWERS_DATA_DIR")
+    assert bench.main([]) == 2
+    assert "'data/flower_photos' does not exist" in capsys.readouterr().err
+
+
+def test_bench_is_a_script_and_a_make_target():
+    help_text = subprocess.run([sys.executable, "benchmarks/bench.py", "--help"], cwd=ROOT, capture_output=True,
                                text=True, check=True).stdout
     assert "--limit-batches" in help_text and "--variants" in help_text
-    assert "\nbench:" in (ROOT / "Makefile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\nbench:" in makefile and "benchmarks/bench.py" in makefile

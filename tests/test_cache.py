@@ -29,9 +29,9 @@ def _count_builds(monkeypatch) -> list[Path]:
     builds = []
     real = cache_mod._build
 
-    def counting(paths, target, side):
-        builds.append(target)
-        real(paths, target, side)
+    def counting(paths, folder, side):
+        builds.append(folder)
+        real(paths, folder, side)
 
     monkeypatch.setattr(cache_mod, "_build", counting)
     return builds
@@ -71,9 +71,9 @@ def test_rebuilt_when_the_photos_change(change, photos, tmp_path, monkeypatch):
 
 
 def test_read_only_data_dir_falls_back(photos, tmp_path, monkeypatch):
-    real = cache_mod._writable
+    real = cache_mod.is_writable
     # chmod does not stop root, so read-only is simulated where the check looks.
-    monkeypatch.setattr(cache_mod, "_writable", lambda folder: CACHE_FOLDER not in folder.parts and real(folder))
+    monkeypatch.setattr(cache_mod, "is_writable", lambda folder: CACHE_FOLDER not in folder.parts and real(folder))
     cache = ensure_cache(_paths(photos), root=photos, side=32, fallback_dir=tmp_path / "fallback")
     assert cache.folder.parent == tmp_path / "fallback"
     assert not (photos / CACHE_FOLDER).exists() and len(cache) == 5

@@ -11,6 +11,7 @@ import torch
 from flowers.cli import cli_main
 from flowers.data import FlowerDataModule
 from flowers.module import FlowerClassifier
+from flowers.runs import last_checkpoint
 from tests.conftest import TINY_RUN, make_tree
 
 
@@ -75,7 +76,7 @@ def test_the_tutorial_layout_with_train_val_and_test_folders(in_tmp):
     assert cli.model.net.classifier[-1].out_features == 2
     assert len(cli.datamodule.train_set) == 12 and len(cli.datamodule.val_set) == 6
     tested = cli_main(["test", *TINY_RUN, "--data.data_dir=splitlayout",
-                       f"--ckpt_path={cli.trainer.checkpoint_callback.last_model_path}"])
+                       f"--ckpt_path={last_checkpoint(cli.trainer)}"])
     assert "test/acc" in tested.trainer.callback_metrics
 
 
@@ -93,7 +94,7 @@ def test_optimizer_and_scheduler_come_from_yaml(in_tmp, tiny_synthetic):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0025)  # two StepLR halvings
     assert cli.model.loss.label_smoothing == 0.1
     # The optimizer is recorded in the checkpoint as data, not as a pickled callable.
-    hparams = torch.load(cli.trainer.checkpoint_callback.last_model_path, weights_only=True)["hyper_parameters"]
+    hparams = torch.load(last_checkpoint(cli.trainer), weights_only=True)["hyper_parameters"]
     assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"
 
 

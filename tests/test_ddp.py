@@ -21,6 +21,7 @@ import yaml
 
 from flowers.cli import cli_main
 from flowers.data import FlowerDataModule
+from flowers.runs import last_checkpoint
 from tests.conftest import make_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +195,7 @@ def test_distributed_validation_equals_single_process(tmp_path, eleven_val_image
     data = [f"--data.data_dir={eleven_val_images}", "--data.eval_batch_size=2"]
     fitted = cli_main(["fit", *TINY, "--trainer.strategy=auto", "--trainer.devices=1", "--trainer.max_epochs=1",
                        *data])
-    checkpoint = fitted.trainer.checkpoint_callback.last_model_path
+    checkpoint = last_checkpoint(fitted.trainer)
     single = cli_main(["validate", *TINY, "--trainer.strategy=auto", "--trainer.devices=1", *data,
                        f"--ckpt_path={checkpoint}"])
     expected = {k: float(v) for k, v in single.trainer.callback_metrics.items()}

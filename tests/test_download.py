@@ -216,8 +216,11 @@ def test_a_bad_checksum_through_the_cli_is_one_paragraph(server, tmp_path, in_tm
     assert not (in_tmp / "data" / "flower_photos").exists()  # the default target stays empty
 
 
-def test_make_data_entry_point_downloads_and_says_where(server, tmp_path, capsys):
-    from flowers.data.download import main
+def test_the_download_subcommand_downloads_and_says_where(server, tmp_path, capsys):
+    from flowers.__main__ import main as flowers
+
+    def main(args: list[str]) -> int:
+        return flowers(["download", *args])  # `flowers download`, which `make data` runs
 
     url, digest = serve(server, "flower_photos.tgz", flower_archive(tmp_path))
     target = tmp_path / "data" / "flower_photos"

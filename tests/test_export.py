@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,9 @@ def test_state_dict_loads_strictly_into_the_tutorial_alexnet(ckpt, tmp_path):
 
 
 def test_torchscript_matches_pytorch(ckpt, tmp_path):
-    assert main(["--ckpt_path", str(ckpt), "--format", "torchscript", "--output", str(tmp_path)]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch's TorchScript deprecation is expected and caught
+        assert main(["--ckpt_path", str(ckpt), "--format", "torchscript", "--output", str(tmp_path)]) == 0
     scripted = torch.jit.load(str(tmp_path / "AlexNet.torchscript.pt"))
     images = torch.randn(3, 3, 64, 64)
     with torch.inference_mode():
@@ -76,3 +79,18 @@ def test_the_installed_flowers_command_routes_export_and_the_lightning_subcomman
     assert export.returncode == 2 and "does not exist" in export.stderr
     fit = subprocess.run([str(command), "fit", "--help"], capture_output=True, text=True, timeout=120)
     assert fit.returncode == 0 and "--data.data_dir" in fit.stdout
+
+
+@pytest.mark.parametrize("entry", ["console script", "python -m"])
+def test_help_lists_every_subcommand_under_the_name_flowers(entry):
+    command = [str(Path(sys.executable).with_name("flowers"))] if entry == "console script" else \
+        [sys.executable, "-m", "flowers"]
+    if not Path(command[0]).is_file():
+        pytest.skip(f"no console script at {command[0]}: flowers is not pip-installed in this environment")
+    overview = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
+    assert overview.returncode == 0 and overview.stdout.startswith("usage: flowers ")
+    for subcommand in ("fit", "validate", "test", "predict", "export", "download"):
+        assert f"\n    {subcommand} " in overview.stdout, subcommand
+    for subcommand in ("fit", "export", "download"):
+        usage = subprocess.run([*command, subcommand, "--help"], capture_output=True, text=True, timeout=120)
+        assert usage.returncode == 0 and usage.stdout.startswith("usage: flowers "), usage.stdout[:80]

@@ -12,8 +12,11 @@ import torch
 
 from flowers.cli import cli_main
 from flowers.data import FlowerDataModule
+from flowers.data.batch_augment import CachedTrainBatch
 from flowers.data.cache import CACHE_FOLDER
+from flowers.data.datasets import CachedBatch
 from flowers.module import FlowerClassifier, WarmupCosineLR
+from flowers.runs import last_checkpoint
 from tests.conftest import TINY_RUN, RecordOps, make_tree
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -32,12 +35,14 @@ def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
     # Batches are built in the model's layout, and on CPU by the training process itself.
     assert FlowerDataModule(str(data), cache=True).num_workers == 0
     assert FlowerDataModule(str(data)).num_workers == min(os.cpu_count(), 32, 8)
-    squares, labels, boxes, flip = next(iter(cli.datamodule.train_dataloader()))  # views drawn by the loader
-    assert squares.dtype == torch.uint8 and boxes.shape == (len(labels), 4) and flip.dtype == torch.bool
-    images, _ = cli.datamodule.on_after_batch_transfer((squares, labels, boxes, flip), 0)
+    batch = next(iter(cli.datamodule.train_dataloader()))  # views drawn by the loader
+    assert isinstance(batch, CachedTrainBatch) and batch.squares_or_indices.dtype == torch.uint8
+    assert batch.boxes.shape == (len(batch.labels), 4) and batch.flip.dtype == torch.bool
+    assert cli.datamodule.channels_last  # linked from the model's setting
+    images, _ = cli.datamodule.on_after_batch_transfer(batch, 0)
     assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
     assert len(list((data / CACHE_FOLDER).iterdir())) == 2  # the cache and its lock file
-    assert Path(trainer.checkpoint_callback.last_model_path).is_file()
+    assert Path(last_checkpoint(trainer)).is_file()
     # The next run finds the same cache.
     again = FlowerDataModule(str(data), image_size=64, cache=True)
     again.setup("fit")
@@ -66,7 +71,8 @@ def test_a_training_step_reads_nothing_back_to_the_host(tiny_synthetic, tmp_path
                 self.steps += 1
 
     record = RecordSteps()
-    data = FlowerDataModule(str(tiny_synthetic), image_size=64, batch_size=8, cache=True, num_workers=0)
+    data = FlowerDataModule(str(tiny_synthetic), image_size=64, batch_size=8, cache=True, num_workers=0,
+                            channels_last=True)
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=0,
                         precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], default_root_dir=tmp_path)
@@ -114,7 +120,7 @@ def test_a_compiled_run_with_cuda_graph_mode_trains_and_saves_plain_keys(in_tmp,
                     "--trainer.check_val_every_n_epoch=1", "--trainer.limit_train_batches=2",
                     "--trainer.limit_val_batches=1", "--trainer.precision=32-true"])
     assert cli.trainer.global_step == 2 and torch.isfinite(cli.trainer.callback_metrics["val/loss"])
-    saved = torch.load(cli.trainer.checkpoint_callback.last_model_path, weights_only=True)
+    saved = torch.load(last_checkpoint(cli.trainer), weights_only=True)
     assert saved["hyper_parameters"]["compile_mode"] == "reduce-overhead"
     assert list(saved["state_dict"]) == list(FlowerClassifier(5).state_dict())
 
@@ -122,13 +128,12 @@ def test_a_compiled_run_with_cuda_graph_mode_trains_and_saves_plain_keys(in_tmp,
 @pytest.mark.parametrize("cache", [False, True])
 def test_eval_image_size_sets_the_validation_squares_only(in_tmp, cache):
     from flowers.data.cache import cache_side
-    from flowers.errors import ConfigError
 
     data = make_tree(in_tmp / "photos", {"a": 6, "b": 6}, size=120)
     module = FlowerDataModule(str(data), image_size=64, eval_image_size=80, batch_size=4, num_workers=0, cache=cache)
     module.setup("fit")
     train, val = next(iter(module.train_dataloader())), next(iter(module.val_dataloader()))
-    module.trainer = type("Trainer", (), {"training": True, "lightning_module": None})()
+    module.trainer = type("Trainer", (), {"training": True})()
     assert module.on_after_batch_transfer(train, 0)[0].shape[-2:] == (64, 64)
     module.trainer.training = False
     assert module.on_after_batch_transfer(val, 0)[0].shape[-2:] == (80, 80)
@@ -138,8 +143,17 @@ def test_eval_image_size_sets_the_validation_squares_only(in_tmp, cache):
         with pytest.raises(RuntimeError, match="WithTrainViews"):
             module.on_after_batch_transfer(val, 0)
     assert FlowerDataModule(str(data), image_size=64).eval_image_size == 64
-    with pytest.raises(ConfigError, match="data.eval_image_size=32 is too small"):
-        FlowerDataModule(str(data), image_size=64, eval_image_size=32)
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("--data.image_size=32", "data.image_size=32 is too small"),
+    ("--data.eval_image_size=32", "data.eval_image_size=32 is too small"),
+])
+def test_image_sizes_too_small_for_the_network_are_config_errors(in_tmp, tiny_synthetic, arg, message):
+    from flowers.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        cli_main(["fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", arg])
 
 
 def test_the_cache_never_upsamples_small_photos(in_tmp):
@@ -182,9 +196,8 @@ def test_the_fused_optimizer_keeps_the_settings_and_the_update(optimizer, in_tmp
     assert {k: v for k, v in fused.defaults.items() if k not in ("fused", "foreach")} == \
         {k: v for k, v in plain.defaults.items() if k not in ("fused", "foreach")}
     # The same three updates up to float rounding. Adam divides by sqrt(v) + eps, which magnifies rounding
-    # where gradients are near zero: there a weight can differ by up to a step (seen on an AMD EPYC for
-    # AdamW, 7 % of the largest move). So: nearly every weight within 5 % of the largest move, and on
-    # average within 1 % of the average move.
+    # where gradients are near zero: there a weight can differ by up to a step. So: nearly every weight
+    # within 5 % of the largest move, and on average within 1 % of the average move.
     moved = (params[0] - start).abs()
     difference = (params[1] - params[0]).abs()
     assert moved.max() > 0
@@ -228,13 +241,14 @@ def test_a_cache_held_on_the_device_gives_the_same_batches(in_tmp, monkeypatch):
     on_device = FlowerDataModule(str(data), image_size=64, batch_size=4, cache=True)
     on_device.setup("fit")
     assert on_device.num_workers == 0 and on_device.val_set.as_index
-    indices, labels, sizes = next(iter(on_device.val_dataloader()))
+    device_batch = next(iter(on_device.val_dataloader()))
     host_batch = next(iter(on_host.val_dataloader()))
-    assert indices.dtype == torch.int64 and indices.ndim == 1
+    assert isinstance(device_batch, CachedBatch) and isinstance(host_batch, CachedBatch)
+    assert device_batch.squares_or_indices.dtype == torch.int64 and device_batch.squares_or_indices.ndim == 1
     for module in (on_host, on_device):
-        module.trainer = type("Trainer", (), {"training": False, "lightning_module": None})()
+        module.trainer = type("Trainer", (), {"training": False})()
     expected, expected_labels = on_host.on_after_batch_transfer(host_batch, 0)
-    images, labels = on_device.on_after_batch_transfer((indices, labels, sizes), 0)
+    images, labels = on_device.on_after_batch_transfer(device_batch, 0)
     torch.testing.assert_close(images, expected)
     assert labels.tolist() == expected_labels.tolist()
     monkeypatch.undo()

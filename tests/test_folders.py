@@ -9,6 +9,7 @@ from flowers.data.folders import (
     find_classes,
     image_problem,
     is_image_file,
+    list_image_files,
     list_images,
     stratified_split,
 )
@@ -77,3 +78,16 @@ def test_missing_folder_and_empty_class_are_clear_errors(tmp_path):
     (tmp_path / "a" / "notes.txt").write_text("x")
     with pytest.raises(DataError, match="holds no images"):
         list_images(tmp_path, ["a"])
+
+
+def test_image_files_are_listed_sorted_at_any_depth_without_hidden_or_linked_folders(tmp_path):
+    folder = tmp_path / "a"
+    photos = write_images(folder, 2) + write_images(folder / "deeper", 1)
+    write_images(folder / ".thumbnails", 1)
+    (folder / ".DS_Store").write_bytes(b"junk")
+    write_images(tmp_path / "elsewhere", 1)
+    (folder / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (folder / "loop").symlink_to(folder, target_is_directory=True)  # never entered: the walk ends
+    assert list_image_files(folder) == sorted(photos)
+    assert [path.relative_to(folder).as_posix() for path in list_image_files(folder)] == [
+        "deeper/img000.jpg", "img000.jpg", "img001.jpg"]

@@ -1,4 +1,4 @@
-"""The tutorial's recipe, briefly, on the real flower photos (skipped where ../shared/data/flowers is absent)."""
+"""The tutorial's recipe, briefly, on the real flower photos (skipped where $FLOWERS_DATA_DIR is absent)."""
 
 import time
 from pathlib import Path
@@ -15,7 +15,7 @@ MIN_VAL_ACC = 0.35
 
 
 @pytest.mark.slow
-def test_seed_recipe_learns_the_real_photos(real_photos, in_tmp):
+def test_tutorial_recipe_learns_the_real_photos(real_photos, in_tmp):
     started = time.perf_counter()
     # The photos are read-only: in_tmp keeps runs/ and any data/ out of both the checkout and them.
     cli = cli_main([

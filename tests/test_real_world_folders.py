@@ -8,9 +8,11 @@ import pytest
 from PIL import Image
 
 from flowers.cli import cli_main
+from flowers.data import FlowerDataModule
 from flowers.data.folders import drop_unreadable, list_images
 from flowers.data.images import load_rgb
 from flowers.data.transforms import eval_transform, train_transform
+from flowers.errors import DataError
 from tests.conftest import TINY_RUN, write_images
 
 CROP = 64  # TINY_RUN's image size
@@ -151,3 +153,19 @@ def test_fit_trains_on_the_mixed_folder(mixed, in_tmp, caplog):
     assert cli.trainer.global_step >= 1
     assert len(cli.datamodule.train_set) + len(cli.datamodule.val_set) == len(mixed[1]) + 8
     assert sum("Skipping 3 unreadable" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_predict_lists_a_folder_as_training_does(tmp_path):
+    # The same lister as the class folders: junk, hidden files and hidden folders (.hidden/ holds an image)
+    # are never predicted; sub-folders are searched.
+    folder = tmp_path / "to_predict"
+    photos = write_images(folder, 2) + write_images(folder / "more", 1)
+    junk_files(folder)
+    module = FlowerDataModule(predict_dir=str(folder))
+    module.setup("predict")
+    assert module.predict_set.paths == sorted(str(path) for path in photos)
+    junk_files(tmp_path / "only_hidden")
+    with pytest.raises(DataError, match="holds no images"):
+        FlowerDataModule(predict_dir=str(tmp_path / "only_hidden")).setup("predict")
+    with pytest.raises(DataError, match="does not exist"):
+        FlowerDataModule(predict_dir=str(tmp_path / "nowhere")).setup("predict")

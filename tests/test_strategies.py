@@ -1,6 +1,6 @@
 """strategy="dp" on CPU: registration, refusals, state_dict keys and the autocast-dtype fix for replicas.
 
-The real scatter/gather needs CUDA; tests/gpu/check_modes.sh runs it on a GPU machine.
+The real scatter/gather needs CUDA; benchmarks/gpu/check_modes.sh runs it on a GPU machine.
 """
 
 import threading
@@ -15,6 +15,7 @@ from flowers import strategies
 from flowers.cli import cli_main
 from flowers.errors import ConfigError
 from flowers.module import FlowerClassifier
+from flowers.runs import last_checkpoint
 from flowers.strategies import AutocastReplica, DataParallelStrategy
 from tests.conftest import TINY_RUN
 
@@ -56,8 +57,8 @@ def test_dp_on_cpu_fits_as_a_plain_forward_with_single_device_checkpoint_keys(in
         dp = cli_main(["fit", *args, "--trainer.strategy=dp"])
     assert isinstance(dp.trainer.strategy, DataParallelStrategy)
     single = cli_main(["fit", *args])
-    dp_keys = torch.load(dp.trainer.checkpoint_callback.last_model_path, weights_only=True)["state_dict"].keys()
-    single_keys = torch.load(single.trainer.checkpoint_callback.last_model_path, weights_only=True)["state_dict"]
+    dp_keys = torch.load(last_checkpoint(dp.trainer), weights_only=True)["state_dict"].keys()
+    single_keys = torch.load(last_checkpoint(single.trainer), weights_only=True)["state_dict"]
     assert list(dp_keys) == list(single_keys)
     assert not any(key.startswith("module.") or ".module." in key for key in dp_keys)
 

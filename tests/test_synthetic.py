@@ -43,7 +43,7 @@ def test_layout_count_and_marker(synthetic, tmp_path):
     marker = json.loads((root / ".synthetic.json").read_text())
     assert marker["per_class"] == 4 and marker["size"] == 40 and marker["seed"] == 3
     assert marker["format_version"] == synthetic.FORMAT_VERSION
-    assert _siblings(root) == []  # no temporary folder left behind
+    assert _siblings(root) == [".flowers.lock"]  # no temporary folder left behind
 
 
 def test_same_parameters_give_identical_bytes_in_any_order(synthetic, tmp_path):
@@ -64,7 +64,7 @@ def test_ensure_returns_an_existing_set_without_drawing(synthetic, tmp_path, mon
     def fail(*args, **kwargs):
         raise AssertionError("ensure_synthetic redrew a set that was already there")
 
-    monkeypatch.setattr(synthetic, "generate", fail)
+    monkeypatch.setattr(synthetic, "_draw_tree", fail)
     assert synthetic.ensure_synthetic(tmp_path / "flowers", **SMALL) == root
     assert _files(root) == before
 
@@ -102,7 +102,7 @@ def test_an_interrupted_generation_leaves_nothing_behind(synthetic, tmp_path, mo
     monkeypatch.setattr(synthetic, "draw_flower", draw_then_die)
     with pytest.raises(KeyboardInterrupt):
         synthetic.generate(tmp_path / "flowers", **SMALL)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".flowers.lock"]  # the lock file stays by design
 
 
 def test_ensure_clears_the_leftovers_of_a_killed_run(synthetic, tmp_path):
@@ -124,14 +124,14 @@ def _ensure_in_child(root: str, calls: str) -> None:
     spec = importlib.util.spec_from_file_location("synthetic_in_child", SYNTHETIC_PY)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
     spec.loader.exec_module(module)
-    generate = module.generate
+    draw_tree = module._draw_tree
 
     def counted(*args, **kwargs):
         with open(calls, "a") as fh:
-            fh.write("generate\n")
-        return generate(*args, **kwargs)
+            fh.write("drawn\n")
+        return draw_tree(*args, **kwargs)
 
-    module.generate = counted
+    module._draw_tree = counted
     module.ensure_synthetic(root, per_class=20, size=48)
 
 
@@ -144,7 +144,7 @@ def test_concurrent_callers_draw_the_set_once(synthetic, tmp_path):
     for proc in procs:
         proc.join(timeout=120)
     assert [proc.exitcode for proc in procs] == [0, 0]
-    assert calls.read_text() == "generate\n"
+    assert calls.read_text() == "drawn\n"
     assert len(_files(root)) == 100
     assert json.loads((root / ".synthetic.json").read_text())["per_class"] == 20
     assert _siblings(root) == [".flowers.lock"]

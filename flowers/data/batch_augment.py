@@ -7,17 +7,14 @@ normalised at once. Drawing on the host keeps about 80 tiny operations a batch o
 would be a kernel launch, and launches, not arithmetic, bound the tutorial's batch of 32 on a large GPU.
 
 The crop and resize is done two ways, by device. On CPU, each image goes through torchvision's uint8
-``resized_crop`` (its fast path: about 0.2 ms an image at 224 px on this project's 2-core CPU). On CUDA,
-that per-image loop cost 32 launches of several kernels and a host sync per batch, and held an H200 to
-a fifth of its compute floor; there the whole batch is one ``roi_align`` call (bilinear at each output
-pixel's centre, averaging ceil(box/output) samples per pixel when shrinking: the same pixels as the
-bilinear resize when enlarging, an area filter instead of PIL's triangle one when shrinking).
+``resized_crop`` (its fast path). On CUDA, a per-image loop would be 32 launches of several kernels and a
+host sync per batch, so there the whole batch is one ``roi_align`` call (bilinear at each output pixel's
+centre, averaging ceil(box/output) samples per pixel when shrinking: the same pixels as the bilinear
+resize when enlarging, an area filter instead of PIL's triangle one when shrinking).
 
 On CPU every millisecond here is taken from the training step, so the batch is built with as few
 full-size passes as possible: the layout change to channels_last happens on uint8 (a quarter of the
-bytes of float), and the conversion and normalisation are one pass. Measured on 32 images of 224 px,
-2 threads: about 20 ms (before the one-pass normalisation saved 3 more), against 37 ms for crop, float
-normalise and then a float channels_last copy in the model's forward.
+bytes of float), and the conversion and normalisation are one pass (timings: see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,12 +22,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import default_collate, get_worker_info
 from torchvision.ops import roi_align
 from torchvision.transforms.v2 import functional as F
 
+from flowers.data.datasets import CachedBatch
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 
 TUTORIAL_RATIO = (3 / 4, 4 / 3)
@@ -78,8 +77,8 @@ def sample_crop_boxes(
 
 @functools.lru_cache(maxsize=16)
 def _normalisation(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    # Built once per device: torch.tensor(..., device="cuda") is a blocking host-to-device copy, and two of
-    # them per batch made the host wait for the GPU to drain its queue before every training step.
+    # Built once per device: torch.tensor(..., device="cuda") is a blocking host-to-device copy, which would
+    # make the host wait for the GPU to drain its queue before every training step.
     mean_t, std_t = (torch.tensor(v, device=device).view(1, -1, 1, 1) for v in (mean, std))
     return 1 / (255 * std_t), -mean_t / std_t
 
@@ -87,9 +86,9 @@ def _normalisation(mean: tuple[float, ...], std: tuple[float, ...], device: torc
 def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
                channels_last: bool) -> torch.Tensor:
     # ToTensor's /255 and Normalize folded into shift + x * scale, one addcmul straight from uint8 (type
-    # promotion makes the float32 output): one pass where convert, multiply and add took three, 4.6 ms
-    # instead of 7.5 for 32 images of 224 px on 2 threads. float32, not bf16: CPUs without native bf16
-    # elementwise kernels are 3x slower at it, and autocast casts the first conv's input anyway.
+    # promotion makes the float32 output): one pass instead of convert, multiply and add. float32, not bf16:
+    # CPUs without native bf16 elementwise kernels are slower at it, and autocast casts the first conv's
+    # input anyway.
     layout = torch.channels_last if channels_last else torch.contiguous_format
     scale, shift = _normalisation(tuple(mean), tuple(std), images.device)
     return torch.addcmul(shift, images.contiguous(memory_format=layout), scale)
@@ -132,10 +131,19 @@ def crop_flip_normalise(
     return _normalise(crops, mean, std, channels_last=channels_last)
 
 
+class CachedTrainBatch(NamedTuple):
+    """A cached training batch as ``WithTrainViews`` yields it: the squares (or their indices in the cache
+    on the training device), the labels, and each image's view (``draw_train_views``)."""
+
+    squares_or_indices: torch.Tensor  # N × 3 × S × S uint8, or N int64 indices
+    labels: torch.Tensor
+    boxes: torch.Tensor  # N × (top, left, height, width), int64, on the S² square
+    flip: torch.Tensor  # N bool
+
+
 class WithTrainViews:
-    """``collate_fn`` of the cached training loader: the default collate of ``(square or index, label,
-    original size)`` items, with the original sizes replaced by each image's view (``draw_train_views``):
-    ``(squares or indices, labels, boxes, flip)``.
+    """``collate_fn`` of the cached training loader: the default collate of ``CachedBatch`` items, with
+    the original sizes replaced by each image's view (``draw_train_views``): a ``CachedTrainBatch``.
 
     On the host, so a GPU gets only the crop itself; in the loader's workers when there are any (each
     seeded by torch, so a run stays reproducible), else in the training process. ``rank``: the process's
@@ -147,12 +155,12 @@ class WithTrainViews:
         self.side, self.scale, self.ratio, self.hflip_prob = side, tuple(scale), tuple(ratio), hflip_prob
         self.rank = rank
 
-    def __call__(self, items: list) -> tuple:
+    def __call__(self, items: list[CachedBatch]) -> CachedTrainBatch:
         squares, labels, sizes = default_collate(items)
         generator = self._rank_generator() if self.rank is not None and get_worker_info() is None else None
         boxes, flip = draw_train_views(sizes, side=self.side, scale=self.scale, ratio=self.ratio,
                                        hflip_prob=self.hflip_prob, generator=generator)
-        return squares, labels, boxes, flip
+        return CachedTrainBatch(squares, labels, boxes, flip)
 
     def _rank_generator(self) -> torch.Generator:
         # In the training process every ddp rank's global generator is in the same state (seed_everything

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,13 +31,14 @@ import numpy as np
 from PIL import Image
 
 from flowers.data.images import load_rgb
-from flowers.data.locking import folder_lock
 from flowers.errors import DataError
+from flowers.files import build_once, is_writable
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 CACHE_FOLDER = ".cache"
+MANIFEST = "manifest.json"  # written last: its presence marks a complete cache
 
 
 def cache_side(image_size: int) -> int:
@@ -70,23 +70,12 @@ def cache_key(paths: Sequence[str], side: int) -> str:
     return digest.hexdigest()[:20]
 
 
-def _writable(folder: Path) -> bool:
-    # os.access says yes to root even on a read-only mount; only a real write tells.
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError:
-        return False
-    return True
-
-
 class ImageCache:
     """The cache of ``paths`` at side ``side``: ``pixels[i]`` is image ``i`` as 3 × S × S uint8."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.paths = json.loads((folder / "manifest.json").read_text())["paths"]
+        self.paths = json.loads((folder / MANIFEST).read_text())["paths"]
         self.sizes = np.load(folder / "sizes.npy")
         self._pixels = None  # opened lazily, so a DataLoader worker maps the file instead of unpickling a copy
 
@@ -106,18 +95,23 @@ class ImageCache:
 def ensure_cache(paths: Sequence[str], *, root: Path, side: int, fallback_dir: Path) -> ImageCache:
     key = cache_key(paths, side)
     base = root / CACHE_FOLDER
-    if not _writable(base):
+    if not is_writable(base):
         base = Path(fallback_dir)
-        if not _writable(base):
+        if not is_writable(base):
             raise DataError(f"Cannot write the image cache under {root} nor under {base}; set --data.cache_dir.")
     target = base / key
-    with folder_lock(target, waiting_for="building the image cache"):
-        if not (target / "manifest.json").is_file():
-            for leftover in base.glob(f".{key}.tmp-*"):  # from a killed build; ours is the only live one
-                shutil.rmtree(leftover, ignore_errors=True)
-            _build(paths, target, side)
-            _remove_stale(base, keep=key)
+
+    def build(folder: Path) -> None:
+        log.info("Building the image cache of %d images at %d px in %s", len(paths), side, target)
+        _build(paths, folder, side)
+        _remove_stale(base, keep=key)
+
+    build_once(target, build, is_complete=_is_complete, waiting_for="building the image cache")
     return ImageCache(target)
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
 
 
 def _decode(path: str, side: int) -> tuple[np.ndarray, tuple[int, int]]:
@@ -127,34 +121,23 @@ def _decode(path: str, side: int) -> tuple[np.ndarray, tuple[int, int]]:
     return np.asarray(square).transpose(2, 0, 1), (image.height, image.width)
 
 
-def _build(paths: Sequence[str], target: Path, side: int) -> None:
-    log.info("Building the image cache of %d images at %d px in %s", len(paths), side, target)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        pixels = np.lib.format.open_memmap(tmp / "pixels.npy", mode="w+", dtype=np.uint8,
-                                           shape=(len(paths), 3, side, side))
-        sizes = np.zeros((len(paths), 2), dtype=np.int64)
-        # Threads, not processes: PIL releases the GIL while it decodes and resizes.
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            for i, (array, size) in enumerate(pool.map(lambda p: _decode(p, side), paths)):
-                pixels[i], sizes[i] = array, size
-        pixels.flush()
-        del pixels
-        np.save(tmp / "sizes.npy", sizes)
-        # The manifest is written last: its presence marks a complete cache.
-        (tmp / "manifest.json").write_text(json.dumps({"version": FORMAT_VERSION, "side": side,
-                                                       "paths": list(paths)}))
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _build(paths: Sequence[str], folder: Path, side: int) -> None:
+    pixels = np.lib.format.open_memmap(folder / "pixels.npy", mode="w+", dtype=np.uint8,
+                                       shape=(len(paths), 3, side, side))
+    sizes = np.zeros((len(paths), 2), dtype=np.int64)
+    # Threads, not processes: PIL releases the GIL while it decodes and resizes.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for i, (array, size) in enumerate(pool.map(lambda p: _decode(p, side), paths)):
+            pixels[i], sizes[i] = array, size
+    pixels.flush()
+    del pixels
+    np.save(folder / "sizes.npy", sizes)
+    (folder / MANIFEST).write_text(json.dumps({"version": FORMAT_VERSION, "side": side, "paths": list(paths)}))
 
 
 def _remove_stale(base: Path, *, keep: str) -> None:
     # Each change of the photos makes a new key; the old caches would pile up at 600 MB each.
     for entry in base.iterdir():
         if entry.is_dir() and entry.name != keep and not entry.name.startswith("."):
-            if (entry / "manifest.json").is_file():
+            if _is_complete(entry):
                 shutil.rmtree(entry, ignore_errors=True)

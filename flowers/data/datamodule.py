@@ -9,24 +9,24 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from flowers.data import batch_augment, synthetic
+from flowers.data import synthetic
+from flowers.data.batch_augment import CachedTrainBatch, WithTrainViews, crop_flip_normalise, eval_batch
 from flowers.data.cache import ImageCache, cache_side, ensure_cache, fitting_side
-from flowers.data.datasets import LabelledImages, UnlabelledImages
+from flowers.data.datasets import CachedBatch, CachedImages, LabelledImages, UnlabelledImages
 from flowers.data.download import DEFAULT_DIR, FLOWER_PHOTOS_SHA256, FLOWER_PHOTOS_URL, fetch_flower_photos
 from flowers.data.folders import (
     Sample,
     drop_unreadable,
     find_classes,
-    is_image_file,
     is_split_layout,
+    list_image_files,
     list_images,
     stratified_split,
 )
 from flowers.data.transforms import eval_transform, train_transform
 from flowers.errors import ConfigError, DataError
-from flowers.model import MIN_IMAGE_SIZE
 
 
 class FlowerDataModule(L.LightningDataModule):
@@ -51,7 +51,7 @@ class FlowerDataModule(L.LightningDataModule):
         num_workers: loader processes per training process; default the tutorial's
             ``min(cpu_count, batch_size, 8)``, divided among the processes of this machine; 0 with
             ``cache`` when not training on CUDA (the training process copies cached items itself).
-        predict_dir: a folder (searched recursively) or one image file for ``predict``.
+        predict_dir: a folder (searched recursively, hidden folders skipped) or one image file for ``predict``.
         predict_files: image files for ``predict``, e.g. ``--data.predict_files '[a.jpg, b.png]'``, after
             those of ``predict_dir``; a missing or unreadable one gets an ``error`` in its row.
         verify_images: decode every image once at setup and skip unreadable ones with one warning.
@@ -66,8 +66,10 @@ class FlowerDataModule(L.LightningDataModule):
         cache_on_device: with ``cache``, hold the whole cache in the training GPU's memory (a copy per
             process) and load each batch as indices into it: no loader workers, no host-to-device copy
             of pixels. Unset: on when training on CUDA and the cache takes under a quarter of the GPU's
-            free memory (the 3,216 shared photos: 500 MB).
+            free memory (about 500 MB for 3,216 photos at 224 px).
         pin_memory: page-locked host batches for faster copies to the GPU; unset: on when training on CUDA.
+        channels_last: build the cached batches in NHWC memory order, for a channels_last model (which
+            would otherwise copy every float batch). The CLI links it from ``model.channels_last``.
     """
 
     def __init__(
@@ -96,17 +98,13 @@ class FlowerDataModule(L.LightningDataModule):
         cache_dir: str = "data/cache",
         cache_on_device: bool | None = None,
         pin_memory: bool | None = None,
+        channels_last: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < val_split < 1:
             raise ConfigError(f"data.val_split must be between 0 and 1 (exclusive), got {val_split}.")
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
             raise ConfigError(f"data.batch_size and data.eval_batch_size must be at least 1, got {batch_size}.")
-        for name, size in (("image_size", image_size), ("eval_image_size", eval_image_size or image_size)):
-            if size < MIN_IMAGE_SIZE:
-                raise ConfigError(
-                    f"data.{name}={size} is too small for AlexNet's poolings; use at least {MIN_IMAGE_SIZE}."
-                )
         if download:
             # Here, not in prepare_data: the class folders are read below, when the CLI instantiates us.
             data_dir = str(fetch_flower_photos(data_dir or DEFAULT_DIR, url=download_url, sha256=download_sha256))
@@ -130,6 +128,7 @@ class FlowerDataModule(L.LightningDataModule):
         self.cache_on_device = cache_on_device
         self._device_pixels: torch.Tensor | None = None  # the cache on the training device, when held there
         self.pin_memory = pin_memory
+        self.channels_last = channels_last
         self.class_names = self._check_class_names(class_names)
         self.train_set = self.val_set = self.test_set = self.predict_set = None
 
@@ -208,30 +207,25 @@ class FlowerDataModule(L.LightningDataModule):
             self.test_set = LabelledImages(self._labelled(root / "test"), self._eval_transform())
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        # Cached batches arrive as uint8 squares (or indices into the cache on this device): a training
-        # batch with each image's crop box and flip, drawn by the loader (batch_augment.WithTrainViews),
-        # an evaluation batch with the originals' sizes. Here, on the training device, they become what
-        # the PIL transforms would have produced.
-        if not (isinstance(batch, (list, tuple)) and len(batch) in (3, 4)
-                and batch[0].dtype in (torch.uint8, torch.int64)):
-            return batch
-        squares, labels = batch[0], batch[1]
-        if squares.dtype == torch.int64:  # indices into the cache held on this device
-            squares = self._device_pixels[squares]
-        # Built in the model's memory order: a channels_last model would otherwise copy every float batch.
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        channels_last = bool(getattr(module, "channels_last", False))
-        if len(batch) == 4:
-            boxes, flip = batch[2], batch[3]
-            images = batch_augment.crop_flip_normalise(squares, boxes, flip, crop_size=self.image_size,
-                                                       channels_last=channels_last)
-        elif self.trainer is not None and self.trainer.training:
-            # Silently evaluation squares, un-augmented, if a rebuilt training loader dropped WithTrainViews.
-            raise RuntimeError("A cached training batch came without its crop boxes: the training DataLoader "
-                               "lost its collate_fn, flowers.data.batch_augment.WithTrainViews.")
+        # Here, on the training device, cached batches become what the PIL transforms would have produced.
+        if isinstance(batch, CachedTrainBatch):
+            images = crop_flip_normalise(self._squares(batch.squares_or_indices), batch.boxes, batch.flip,
+                                         crop_size=self.image_size, channels_last=self.channels_last)
+        elif isinstance(batch, CachedBatch):
+            if self.trainer is not None and self.trainer.training:
+                # Silently evaluation squares, un-augmented, if a rebuilt training loader dropped WithTrainViews.
+                raise RuntimeError("A cached training batch came without its crop boxes: the training DataLoader "
+                                   "lost its collate_fn, flowers.data.batch_augment.WithTrainViews.")
+            images = eval_batch(self._squares(batch.squares_or_indices), crop_size=self.eval_image_size,
+                                channels_last=self.channels_last)
         else:
-            images = batch_augment.eval_batch(squares, crop_size=self.eval_image_size, channels_last=channels_last)
-        return images, labels
+            return batch
+        return images, batch.labels
+
+    def _squares(self, squares_or_indices: torch.Tensor) -> torch.Tensor:
+        if self._device_pixels is None:
+            return squares_or_indices
+        return self._device_pixels[squares_or_indices]  # indices into the cache held on this device
 
     def _cache_to_device(self, cache: ImageCache) -> torch.Tensor | None:
         if self.cache_on_device is False or self.trainer is None:
@@ -269,12 +263,7 @@ class FlowerDataModule(L.LightningDataModule):
             return [str(target)]
         if not target.is_dir():
             raise DataError(f"--data.predict_dir {str(target)!r} does not exist.")
-        paths = sorted(
-            str(Path(dirpath) / name)
-            for dirpath, _, names in os.walk(target)
-            for name in names
-            if is_image_file(Path(name))
-        )
+        paths = [str(path) for path in list_image_files(target)]
         if not paths:
             raise DataError(f"--data.predict_dir {str(target)!r} holds no images.")
         return paths
@@ -287,9 +276,8 @@ class FlowerDataModule(L.LightningDataModule):
         if self._device_pixels is not None:
             return 0  # an item is an index: a worker would only add inter-process traffic
         if self.cache and not self._on_cuda():
-            # A cached item is a memory copy (about 1 ms a batch), and on a CPU that also trains, a worker
-            # process competes with the intra-op threads for the same cores. On 2 cores, 2 workers were
-            # no faster than 0 in the bench (141.8 vs 140.8 img/s in one pair of runs, 136.3 vs 149.5 in another).
+            # A cached item is a memory copy, and on a CPU that also trains, a worker process competes with
+            # the intra-op threads for the same cores: no faster (see docs/benchmarks.md).
             return 0
         # The tutorial's rule, shared among this machine's training processes so ddp does not oversubscribe.
         local_processes = 1
@@ -319,8 +307,7 @@ class FlowerDataModule(L.LightningDataModule):
         if isinstance(self.train_set, CachedImages):
             trainer = self.trainer
             rank = trainer.global_rank if trainer is not None and trainer.world_size > 1 else None
-            views = batch_augment.WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale,
-                                                 rank=rank)
+            views = WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale, rank=rank)
         return self._loader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=views)
 
     def _eval_sampler(self, dataset):
@@ -348,25 +335,3 @@ class FlowerDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_set, batch_size=self.eval_batch_size, shuffle=False)
-
-
-class CachedImages(Dataset):
-    """Items ``indices`` of an ImageCache: ``(3 × S × S uint8 square, label, original (height, width))``;
-    with ``as_index``, the square's index in the cache (int64) in place of the square."""
-
-    def __init__(self, cache: ImageCache, indices, labels: list[int], *, as_index: bool = False) -> None:
-        self.cache = cache
-        self.indices = np.asarray(list(indices))
-        self.labels = list(labels)
-        self.as_index = as_index
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
-        i = int(self.indices[index])
-        if self.as_index:
-            return torch.tensor(i), self.labels[index], torch.from_numpy(self.cache.sizes[i])
-        # np.array copies the memory-mapped image, so the batch does not pin pages of the file.
-        square = torch.from_numpy(np.array(self.cache.pixels[i]))
-        return square, self.labels[index], torch.from_numpy(self.cache.sizes[i])

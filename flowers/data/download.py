@@ -3,7 +3,7 @@
 Every step writes next to the target under a temporary name, and only the final ``os.replace`` makes
 the target appear, so a run killed half-way never leaves a half dataset that a later run would trust.
 A file lock (one process per machine, or per shared filesystem) downloads; the others wait for it and
-then find the data in place. ``python -m flowers.data.download`` (``make data``) does the same from
+then find the data in place. ``flowers download`` (``make data``) does the same from
 the shell.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-from flowers.data.locking import HAS_LOCKS, folder_lock
 from flowers.errors import DataError
+from flowers.files import build_once
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +48,6 @@ def _is_ready(target: Path) -> bool:
             "Remove it or choose another --data.data_dir."
         )
     return target.is_dir() and any(target.iterdir())
-
-
-def _leftover_prefixes(target: Path) -> tuple[str, str]:
-    return f".{target.name}.tmp-", f".{target.name}.part-"
-
-
-def _remove_leftovers(target: Path) -> None:
-    # Called under the lock, when no other process is downloading: these are from killed runs.
-    for entry in target.parent.iterdir():
-        if entry.name.startswith(_leftover_prefixes(target)) and not entry.is_symlink():
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def _cannot_download(url: str, target: Path, why: str) -> DataError:
@@ -169,24 +158,23 @@ def _tree_root(extracted: Path) -> Path:
     return extracted
 
 
-def _fetch(target: Path, url: str, sha256: str | None) -> None:
-    suffix = f"{os.getpid()}"
-    tmp_prefix, part_prefix = _leftover_prefixes(target)
-    part, tmp = target.parent / f"{part_prefix}{suffix}", target.parent / f"{tmp_prefix}{suffix}"
+def _fetch(folder: Path, target: Path, url: str, sha256: str | None) -> None:
+    """Download, verify and extract the archive so that ``folder`` holds the class folders."""
+    # Beside the folder and named after it: build_once removes what a killed download leaves.
+    archive, extracted = folder.with_name(f"{folder.name}.tgz"), folder.with_name(f"{folder.name}.extracted")
     try:
         log.info("Downloading the flower photos from %s", url)
-        _verify(_download(url, part, target), sha256, url)
-        tmp.mkdir()
-        _extract(part, tmp, url)
-        part.unlink()  # the archive is not kept: the extracted photos are all a run reads
-        root = _tree_root(tmp)
+        _verify(_download(url, archive, target), sha256, url)
+        extracted.mkdir()
+        _extract(archive, extracted, url)
+        archive.unlink()  # the archive is not kept: the extracted photos are all a run reads
+        root = _tree_root(extracted)
         (root / MARKER).write_text(json.dumps({"url": url, "sha256": sha256}, indent=2) + "\n")
-        if target.is_dir():
-            target.rmdir()  # an empty folder someone made beforehand; os.replace will not take its place
-        os.replace(root, target)
+        folder.rmdir()  # the empty folder build_once made gives way to the archive's own
+        os.replace(root, folder)
     finally:
-        part.unlink(missing_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        archive.unlink(missing_ok=True)
+        shutil.rmtree(extracted, ignore_errors=True)
 
 
 def fetch_flower_photos(
@@ -195,24 +183,24 @@ def fetch_flower_photos(
 ) -> Path:
     """The class-folder root ``target_dir``, downloaded first unless it already holds data."""
     target = Path(target_dir).expanduser()
-    if _is_ready(target):
-        return target
-    with folder_lock(target, waiting_for="downloading"):
-        if _is_ready(target):  # another process downloaded it while we waited
-            return target
-        if HAS_LOCKS:  # without a lock another process may be writing its temporary files now
-            _remove_leftovers(target)
-        _fetch(target, url, sha256)
-    log.info("The flower photos are in %s", target)
+    if not _is_ready(target):
+        build_once(target, lambda folder: _fetch(folder, target, url, sha256), is_complete=_is_ready,
+                   waiting_for="downloading")
+        log.info("The flower photos are in %s", target)
     return target
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowers download", description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"where the class folders go (default {DEFAULT_DIR})")
+    p.add_argument("--url", default=FLOWER_PHOTOS_URL)
+    p.add_argument("--sha256", default=FLOWER_PHOTOS_SHA256, help="expected SHA-256; 'none' skips the check")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flowers.data.download", description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default=DEFAULT_DIR, help=f"where the class folders go (default {DEFAULT_DIR})")
-    parser.add_argument("--url", default=FLOWER_PHOTOS_URL)
-    parser.add_argument("--sha256", default=FLOWER_PHOTOS_SHA256, help="expected SHA-256; 'none' skips the check")
-    args = parser.parse_args(argv)
+    """``flowers download``."""
+    args = parser().parse_args(argv)
     sha256 = None if args.sha256.lower() == "none" else args.sha256
     try:
         root = fetch_flower_photos(args.dir, url=args.url, sha256=sha256)
@@ -221,9 +209,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     print(f"The flower photos are in {root} ({len(classes)} classes: {', '.join(classes)}).")
-    print(f"Train on them: python -m flowers fit --config configs/tutorial.yaml --data.data_dir {root}")
+    print(f"Train on them: flowers fit --config configs/tutorial.yaml --data.data_dir {root}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

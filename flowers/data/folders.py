@@ -23,7 +23,6 @@ from flowers.errors import DataError
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-SPLIT_NAMES = ("train", "val", "test")
 
 
 @dataclass(frozen=True)
@@ -81,10 +80,13 @@ def is_split_layout(root: Path) -> bool:
     return (root / "train").is_dir() and (root / "val").is_dir()
 
 
-def _image_paths(folder: Path) -> list[Path]:
+def list_image_files(folder: Path) -> list[Path]:
+    """The image files under ``folder``, at any depth, sorted; hidden files and hidden folders are skipped.
+
+    Symlinked sub-folders are not entered (``folder`` itself may be a link): a symlink loop inside the
+    data cannot make the walk run forever.
+    """
     paths = []
-    # followlinks=False: a symlink loop inside the data cannot make the walk run forever (linked
-    # sub-folders inside a class folder are not entered; a linked class folder itself is).
     for dirpath, dirnames, filenames in os.walk(folder):
         # Hidden folders (.ipynb_checkpoints, .thumbnails) hold copies and thumbnails, not more photos.
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -96,7 +98,7 @@ def list_images(root: Path, classes: Sequence[str]) -> list[Sample]:
     samples = []
     for label, name in enumerate(classes):
         folder = root / name
-        paths = _image_paths(folder)
+        paths = list_image_files(folder)
         if not paths:
             raise DataError(
                 f"Class folder {str(folder)!r} holds no images (looked for {', '.join(IMAGE_EXTENSIONS)}, "

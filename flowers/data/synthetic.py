@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from flowers.data.locking import HAS_LOCKS, folder_lock
+from flowers.files import build_once
 
 log = logging.getLogger(__name__)
 
@@ -361,26 +360,6 @@ def _check_replaceable(root: Path) -> None:
     )
 
 
-def _sibling(root: Path, kind: str) -> Path:
-    return root.parent / f".{root.name}.{kind}-{os.getpid()}"
-
-
-def _swap_in(tmp: Path, root: Path) -> None:
-    _check_replaceable(root)
-    if not root.exists():
-        os.replace(tmp, root)
-        return
-    # Move the old set aside first: os.replace cannot overwrite a non-empty folder.
-    old = _sibling(root, "old")
-    os.replace(root, old)
-    try:
-        os.replace(tmp, root)
-    except BaseException:
-        os.replace(old, root)  # put the previous set back rather than leave no set at all
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _draw_tree(folder: Path, per_class: int, size: int, seed: int) -> None:
     for label, name in enumerate(CLASS_NAMES):
         (folder / name).mkdir(parents=True)
@@ -390,44 +369,30 @@ def _draw_tree(folder: Path, per_class: int, size: int, seed: int) -> None:
             image.save(folder / name / f"{index:05d}.png", compress_level=1)
 
 
-def generate(root: str | os.PathLike, *, per_class: int = 300, size: int = 96, seed: int = 0) -> Path:
-    root = Path(root)
-    params = _params(per_class, size, seed)
+def _draw_set(folder: Path, *, root: Path, params: dict) -> None:
     _check_replaceable(root)  # fail before spending time drawing
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(root, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    count = per_class * len(CLASS_NAMES)
-    log.info("Drawing the synthetic flower set (%d images of %d px) into %s", count, size, root)
+    count = params["per_class"] * len(CLASS_NAMES)
+    log.info("Drawing the synthetic flower set (%d images of %d px) into %s", count, params["size"], root)
     started = time.perf_counter()
-    try:
-        _draw_tree(tmp, per_class, size, seed)
-        # The marker goes in last: a folder that has it is complete.
-        (tmp / MARKER).write_text(json.dumps(params, indent=2) + "\n")
-        _swap_in(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _draw_tree(folder, params["per_class"], params["size"], params["seed"])
+    # The marker goes in last: a folder that has it is complete.
+    (folder / MARKER).write_text(json.dumps(params, indent=2) + "\n")
+    _check_replaceable(root)  # anything put there while we drew is not ours to replace
     log.info("Drew the synthetic flower set in %.1f s", time.perf_counter() - started)
-    return root
 
 
-def _remove_leftovers(root: Path) -> None:
-    # Called under the lock, when no other process is drawing: these are from killed runs.
-    prefixes = (f".{root.name}.tmp-", f".{root.name}.old-")
-    for entry in root.parent.iterdir():
-        if entry.name.startswith(prefixes) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
+def _ensure(root: Path, params: dict, *, reuse: bool) -> Path:
+    return build_once(
+        root, lambda folder: _draw_set(folder, root=root, params=params),
+        is_complete=lambda folder: reuse and _read_marker(folder) == params, waiting_for="drawing the synthetic set",
+    )
+
+
+def generate(root: str | os.PathLike, *, per_class: int = 300, size: int = 96, seed: int = 0) -> Path:
+    """Draw the set into ``root``, replacing a synthetic set there (never a folder without the marker)."""
+    return _ensure(Path(root), _params(per_class, size, seed), reuse=False)
 
 
 def ensure_synthetic(root: str | os.PathLike, *, per_class: int = 300, size: int = 96, seed: int = 0) -> Path:
-    root = Path(root)
-    params = _params(per_class, size, seed)
-    if _read_marker(root) == params:
-        return root
-    with folder_lock(root, waiting_for="drawing the synthetic set"):
-        if _read_marker(root) == params:  # another process drew it while we waited
-            return root
-        if HAS_LOCKS:  # without a lock another process may be drawing into its tmp folder now
-            _remove_leftovers(root)
-        return generate(root, per_class=per_class, size=size, seed=seed)
+    """``root``, drawn first unless it holds the set these parameters draw."""
+    return _ensure(Path(root), _params(per_class, size, seed), reuse=True)

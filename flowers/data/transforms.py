@@ -11,14 +11,15 @@ TUTORIAL_STD = (0.5, 0.5, 0.5)
 
 
 def train_transform(
-    *, crop_size: int = 224, crop_scale: tuple[float, float] = (0.08, 1.0), hflip_prob: float = 0.5,
+    *, crop_size: int = 224, crop_scale: tuple[float, float] = (0.08, 1.0),
     mean: Sequence[float] = TUTORIAL_MEAN, std: Sequence[float] = TUTORIAL_STD,
 ) -> T.Compose:
-    steps = [T.RandomResizedCrop(crop_size, scale=crop_scale, antialias=True)]
-    if hflip_prob > 0:
-        steps.append(T.RandomHorizontalFlip(hflip_prob))
-    steps += [T.ToTensor(), T.Normalize(mean, std)]
-    return T.Compose(steps)
+    return T.Compose([
+        T.RandomResizedCrop(crop_size, scale=crop_scale, antialias=True),
+        T.RandomHorizontalFlip(),
+        T.ToTensor(),
+        T.Normalize(mean, std),
+    ])
 
 
 def eval_transform(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU check, by hand on a CUDA machine (CI has no GPU; pytest does not collect .sh files):
-#   tests/gpu/check_modes.sh            # every mode this machine allows, 3 short epochs each
-#   EPOCHS=5 IMAGE_SIZE=224 tests/gpu/check_modes.sh
+# Every training mode this CUDA machine allows, by hand (CI has no GPU):
+#   benchmarks/gpu/check_modes.sh            # 3 short epochs each
+#   EPOCHS=5 IMAGE_SIZE=224 benchmarks/gpu/check_modes.sh
 # Runs a short fit per mode on the synthetic flowers and prints a table: mode, strategy, processes x
 # devices, precision, the dtype the network's last layer computed in (bf16 runs must say bfloat16,
 # also under dp), images/s (epochs after the first), final val/acc and whether the checkpoint's
@@ -15,7 +15,8 @@ EPOCHS=${EPOCHS:-3}
 IMAGE_SIZE=${IMAGE_SIZE:-224}
 BATCH=${BATCH:-64}
 TIMEOUT=${TIMEOUT:-900}
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout's flowers (installed or not), and the Throughput callback beside this script.
+export PYTHONPATH="$ROOT:$ROOT/benchmarks/gpu${PYTHONPATH:+:$PYTHONPATH}"
 
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$NGPU" -lt 1 ]; then
@@ -32,7 +33,7 @@ COMMON=(
     --data.batch_size="$BATCH"
     --data.synthetic_dir="$OUT_DIR/synthetic"
     --data.synthetic_per_class=200
-    "--trainer.callbacks+=tests.gpu.throughput.Throughput"
+    "--trainer.callbacks+=throughput.Throughput"
 )
 FAILED=()
 

@@ -1,14 +1,18 @@
-"""``python -m flowers.bench``: how fast one training epoch is, plain PyTorch vs Lightning vs the fast path.
+"""``python benchmarks/bench.py``: how fast one training epoch is, plain PyTorch vs Lightning vs the fast path.
 
 In one process, on the same images, split, model, optimizer (Adam 2e-4), batch size and thread count:
 
 * ``a``: a hand-written loop as the tutorial's single-device code (PIL decode per image, fp32, a train
   epoch then a val epoch under ``torch.no_grad``);
-* ``b``: ``Trainer.fit`` on the same loader in fp32, with no progress bar, logger or checkpointing:
-  Lightning's own cost;
+* ``b``: ``Trainer.fit`` with the tutorial's settings on the same loader in fp32, with no progress bar,
+  logger or checkpointing: Lightning's own cost;
 * ``b_cli``: ``b`` plus what ``python -m flowers fit`` adds (TensorBoard logger, the project's callbacks);
 * ``c``: ``fit`` with ``configs/fast.yaml`` (cache + batched augmentation, bf16-mixed, channels_last,
   the fused optimizer step, larger eval batch, pinned memory on CUDA).
+
+The images are ``--data-dir`` (default: ``$FLOWERS_DATA_DIR`` when set, else ``data/flower_photos`` from
+``make data``) or ``--synthetic``; fast.yaml is read from the repository's ``configs/``. Run it from a
+checkout where ``flowers`` is installed (``make install``).
 
 Each variant is warmed up, then run ``--repeats`` times, alternating, one full epoch each; every other
 repeat runs them in reverse order (a b c, c b a, …), so a machine that drifts within a repeat does not
@@ -55,13 +59,14 @@ from torch import nn
 
 from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
 from flowers.data import FlowerDataModule
+from flowers.data.download import DEFAULT_DIR
 from flowers.errors import ConfigError, FlowersError
 from flowers.model import AlexNet
 from flowers.module import TUTORIAL_LR, FlowerClassifier
 
 FAST_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "fast.yaml"
 VARIANTS = ("a", "b", "b_cli", "c")
-LABELS = {"a": "a plain PyTorch loop", "b": "b fit, seed settings", "b_cli": "b_cli fit + CLI logger/callbacks",
+LABELS = {"a": "a plain PyTorch loop", "b": "b fit, tutorial settings", "b_cli": "b_cli fit + CLI logger/callbacks",
           "c": "c fit, configs/fast.yaml"}
 
 
@@ -275,6 +280,8 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
         trainer_kwargs.update(fast.get("trainer", {}))
         model_kwargs = dict(fast.get("model", {}))
         data_kwargs = dict(fast.get("data", {}))
+        # Cached batches in the model's memory order (else every float batch is copied), unless the variant sets it.
+        data_kwargs.setdefault("channels_last", bool(model_kwargs.get("channels_last")))
     datamodule = _datamodule(args, **data_kwargs)
     model = FlowerClassifier(datamodule.num_classes, datamodule.class_names, **model_kwargs)
     if args.network == "free":
@@ -285,7 +292,7 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
     trainer.fit(model, datamodule=datamodule)
     # What the run really used, read back from the objects (so a report shows an ablation took effect).
     used = {"network": type(model.net).__name__, "precision": trainer.precision, "cache": datamodule.cache,
-            "channels_last": model.channels_last,
+            "channels_last": model.channels_last, "data_channels_last": datamodule.channels_last,
             "fused_optimizer": bool(trainer.optimizers[0].defaults.get("fused")),
             "eval_batch_size": datamodule.eval_batch_size}
     return {**timer.result(trainer), "workers": datamodule.num_workers, "used": used}
@@ -322,17 +329,19 @@ def compute_floor(args, device: torch.device, num_classes: int) -> dict:
 
 
 def loader_alone(args, device: torch.device) -> dict:
-    """Train images/s of each data path with no model: PIL per image, and the cache + batched augmentation."""
+    """Train images/s of each data path with no model: PIL per image, and c's cache + batched augmentation."""
     results = {}
-    for name, overrides in (("pil", {}), ("cache", {"cache": True, "pin_memory": device.type == "cuda"})):
+    cached = {"cache": True, "pin_memory": device.type == "cuda",
+              "channels_last": bool(fast_settings()["model"].get("channels_last"))}
+    for name, overrides in (("pil", {}), ("cache", cached)):
         datamodule = _datamodule(args, **overrides)
         datamodule.setup("fit")
         seen = 0
         start = time.perf_counter()
         for batch in _limited(datamodule.train_dataloader(), args.limit_batches):
-            if name == "cache":
-                batch = [x.to(device, non_blocking=True) for x in batch]
-                batch = datamodule.on_after_batch_transfer(batch, 0)  # what fit does to each batch
+            if name == "cache":  # what fit does to each batch
+                batch = datamodule.transfer_batch_to_device(batch, device, 0)
+                batch = datamodule.on_after_batch_transfer(batch, 0)
             seen += len(batch[1])
         _sync(device)
         results[name] = seen / (time.perf_counter() - start)
@@ -401,9 +410,10 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m flowers.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", type=Path, default=Path("data/flower_photos"),
-                        help="a folder of class folders (default: data/flower_photos, from `make data`)")
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get("FLOWERS_DATA_DIR") or DEFAULT_DIR),
+                        help=f"a folder of class folders (default: $FLOWERS_DATA_DIR when set, else {DEFAULT_DIR}"
+                             ", from `make data`)")
     parser.add_argument("--synthetic", action="store_true", help="use the embedded synthetic set instead")
     parser.add_argument("--synthetic-dir", type=Path, default=Path("data/synthetic"))
     parser.add_argument("--repeats", type=int, default=3)
@@ -463,7 +473,7 @@ def bench(args: argparse.Namespace) -> dict:
     runs = {v: [] for v in args.variants}
     floor_runs: dict[str, list[float]] = {}
     fast_precision = args.fast_precision or fast_settings()["trainer"]["precision"]
-    with tempfile.TemporaryDirectory(prefix="flowers-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="benchmark-flowers-") as tmp:
         warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches, "epochs": 1})
         for variant in args.variants if args.warmup_batches > 0 else ():
             # Warm-up: allocator, oneDNN kernel choice, page cache, Lightning's first imports.
@@ -520,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         report = bench(args)
     except FlowersError as error:
-        print(f"flowers.bench: error: {error}", file=sys.stderr)
+        print(f"bench.py: error: {error}", file=sys.stderr)
         return 2
     print(table(report))
     if args.json:

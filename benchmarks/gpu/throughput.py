@@ -1,7 +1,4 @@
-"""For tests/gpu/check_modes.sh: rank 0 writes images/s, val/acc and the replicas' compute dtype to JSON.
-
-Not a test module: pytest collects only ``test_*.py``.
-"""
+"""For check_modes.sh: rank 0 writes images/s, val/acc and the replicas' compute dtype to JSON."""
 
 from __future__ import annotations
 
@@ -12,6 +9,8 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
+
+from flowers.runs import last_checkpoint
 
 
 class Throughput(L.Callback):
@@ -26,7 +25,7 @@ class Throughput(L.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # A hook on the last layer sees each replica's output dtype: under dp the hook dict is shared by
-        # the replicas, so bf16-mixed must show bfloat16 here, not float16 (pytorch issue 125186).
+        # the replicas, so bf16-mixed must show bfloat16 here, not float16 (see flowers/strategies.py).
         last = [m for m in pl_module.net.modules() if isinstance(m, nn.Linear)][-1]
         last.register_forward_hook(lambda module, args, output: self.dtypes.add(str(output.dtype)))
 
@@ -60,7 +59,7 @@ class Throughput(L.Callback):
             "replica_dtypes": sorted(self.dtypes),
             "images_per_s": self.images / self.seconds if self.seconds else None,
             "val_acc": float(trainer.callback_metrics.get("val/acc", float("nan"))),
-            "last_ckpt": str(Path(trainer.checkpoint_callback.last_model_path).resolve()),
+            "last_ckpt": str(Path(last_checkpoint(trainer)).resolve()),
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "throughput.json").write_text(json.dumps(record, indent=1))

@@ -1,0 +1,71 @@
+"""Each private Lightning attribute flowers relies on still means what flowers.lightning_internals assumes.
+
+A Lightning upgrade that renames or repurposes one fails here, by name."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from flowers import lightning_internals
+
+
+def test_set_logger_version_moves_the_log_dir(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="flowers")
+    (tmp_path / "flowers" / "version_0").mkdir(parents=True)
+    assert logger.version == 1  # the next free number, picked on first use
+    lightning_internals.set_logger_version(logger, 7)
+    assert logger.version == 7 and logger.log_dir == str(tmp_path / "flowers" / "version_7")
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+        self.val_steps: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/x", self.layer(batch[0]).sum())
+
+    def on_validation_epoch_end(self) -> None:
+        self.val_steps.append(lightning_internals.logged_step(self.trainer))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Steps(L.pytorch.loggers.Logger):
+    """Records the step Lightning gives each logged scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: dict[str, list[int]] = {}
+
+    @property
+    def name(self):
+        return "steps"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        for key in metrics:
+            self.steps.setdefault(key, []).append(step)
+
+
+def test_logged_step_is_the_step_of_the_validation_scalars(tmp_path):
+    data = DataLoader(TensorDataset(torch.randn(6, 2)), batch_size=2)
+    model, logger = _Tiny(), _Steps()
+    trainer = L.Trainer(max_epochs=2, logger=logger, default_root_dir=tmp_path, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, data, data)
+    assert model.val_steps == logger.steps["val/x"] == [2, 5]
