@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)  ## create .venv and install flowers with its dev tools
 
 train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minutes)
-	$(BIN)/python -m flowers fit --config $(CONFIG)
+	$(BIN)/flowers fit --config $(CONFIG)
 
 data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_photos, once
 	$(BIN)/flowers download

@@ -410,7 +410,8 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get("FLOWERS_DATA_DIR") or DEFAULT_DIR),
                         help=f"a folder of class folders (default: $FLOWERS_DATA_DIR when set, else {DEFAULT_DIR}"
                              ", from `make data`)")

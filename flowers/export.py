@@ -26,7 +26,7 @@ FILENAMES = {"state_dict": "AlexNet.pth", "torchscript": "AlexNet.torchscript.pt
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowers export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="flowers export", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--ckpt_path", required=True, help="a checkpoint written by `fit`")
     p.add_argument("--format", choices=sorted(FILENAMES), default="state_dict")
     p.add_argument("--output", help="folder for the exported files (default: <checkpoint folder>/export)")

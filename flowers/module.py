@@ -170,9 +170,8 @@ class FlowerClassifier(L.LightningModule):
         mean_loss.update(loss, labels.shape[0])
         if stage == "train":
             # One self.log a step, for the progress bar and TensorBoard's step curve: this rank's batch loss.
-            # The epoch values are logged once, at the epoch's end: each self.log call cost the host about
-            # 0.3 ms on this project's 2-core CPU, and on a GPU bound by kernel launches the host's time is
-            # the step's time.
+            # The epoch values are logged once, at the epoch's end: each self.log call costs the host time,
+            # and on a GPU bound by kernel launches the host's time is the step's time.
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
         else:
             self.log(f"{stage}/loss", mean_loss, on_step=False, on_epoch=True, prog_bar=True)

@@ -1,8 +1,10 @@
-"""Every ``flowers`` command that README.md and docs/ show parses: a misspelled or removed flag fails here."""
+"""Every ``flowers`` and ``benchmarks/bench.py`` command that README.md and docs/ show parses: a misspelled or
+removed flag fails here."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import re
 import shlex
@@ -17,7 +19,8 @@ from flowers.export import parser as export_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"```(?:bash|sh|console|shell)?\n(.*?)```", re.DOTALL)
+FENCE = re.compile(r"^(```|~~~)(\w*)\n(.*?)^\1", re.DOTALL | re.MULTILINE)
+SHELL = ("", "bash", "sh", "console", "shell")
 # Placeholders the docs use for numbers a reader fills in (machines M, processes N, rank R).
 NUMBERS = {"M": "2", "N": "2", "R": "0", "$((M * N))": "4"}
 
@@ -26,7 +29,9 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     """``(where, words after "flowers")`` for each command in a fenced block; ``\\`` continuations joined."""
     found = []
     for page in PAGES:
-        for block in FENCE.findall(page.read_text()):
+        for _, language, block in FENCE.findall(page.read_text()):
+            if language not in SHELL:
+                continue
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)
                 start = _after_flowers(words)
@@ -37,6 +42,8 @@ def documented_commands() -> list[tuple[str, list[str]]]:
 
 def _after_flowers(words: list[str]) -> int | None:
     for i, word in enumerate(words):
+        if word == "benchmarks/bench.py" and i >= 1 and "python" in words[i - 1]:
+            return i  # the bench's words start with its own name, which parse_error dispatches on
         if word in ("flowers", ".venv/bin/flowers") and (i == 0 or "=" in words[i - 1] or words[i - 1] == "time"):
             return i + 1
         if word == "flowers" and i >= 2 and words[i - 1] == "-m" and "python" in words[i - 2]:
@@ -51,7 +58,9 @@ def parse_error(words: list[str]) -> str | None:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            if words and words[0] == "export":
+            if words and words[0] == "benchmarks/bench.py":
+                _bench().parse_args([str(ROOT) if w == "$DATA" else w for w in words[1:]])  # a folder that exists
+            elif words and words[0] == "export":
                 export_parser().parse_args(words[1:])
             elif words and words[0] == "download":
                 download_parser().parse_args(words[1:])
@@ -64,10 +73,18 @@ def parse_error(words: list[str]) -> str | None:
     return None
 
 
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_docs_show_commands():
     commands = documented_commands()
     assert len(commands) >= 15, commands  # the parser below must find them, or this test checks nothing
-    assert {words[0] for _, words in commands} >= {"fit", "validate", "predict", "export", "download"}
+    assert {words[0] for _, words in commands} >= {"fit", "validate", "predict", "export", "download",
+                                                   "benchmarks/bench.py"}
 
 
 @pytest.mark.parametrize(("where", "words"), documented_commands(), ids=lambda v: v if isinstance(v, str) else "")
@@ -83,3 +100,5 @@ def test_a_misspelled_flag_is_refused(monkeypatch):
     assert parse_error(["fit", "--config", "configs/tutorial.yaml", "--trainer.max_epoks=3"]) is not None
     assert parse_error(["export", "--ckpt_path", "x.ckpt", "--formats", "onnx"]) is not None
     assert parse_error(["download", "--folder", "data"]) is not None
+    assert parse_error(["benchmarks/bench.py", "--variants", "a,c", "--repeat", "3"]) is not None  # a prefix
+    assert parse_error(["export", "--ckpt_path", "x.ckpt", "--form", "onnx"]) is not None

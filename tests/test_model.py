@@ -12,7 +12,7 @@ def test_output_shape_and_parameter_count():
     assert 14.5e6 < n_params < 14.7e6  # the tutorial's "about 14.6 M"
 
 
-def test_feature_map_shapes_follow_the_seed_table():
+def test_feature_map_shapes_follow_the_tutorial_table():
     shapes = []
     x = torch.randn(1, 3, 224, 224)
     for layer in AlexNet().features:
@@ -22,7 +22,7 @@ def test_feature_map_shapes_follow_the_seed_table():
     assert shapes == [(48, 27, 27), (128, 13, 13), (128, 6, 6)]
 
 
-def test_state_dict_round_trips_with_the_seed_class_strictly():
+def test_state_dict_round_trips_with_the_tutorial_class_strictly():
     ours, tutorial = AlexNet(num_classes=5), TutorialAlexNet(num_classes=5)
     assert list(ours.state_dict()) == list(tutorial.state_dict())
     tutorial.load_state_dict(ours.state_dict(), strict=True)
@@ -36,7 +36,7 @@ def test_other_image_sizes_reach_the_classifier(size):
     assert AlexNet(num_classes=3).eval()(torch.randn(1, 3, size, size)).shape == (1, 3)
 
 
-def test_seed_init_zeroes_biases_and_keeps_linear_std_small():
+def test_tutorial_init_zeroes_biases_and_keeps_linear_std_small():
     net = AlexNet()
     biases = [m.bias.detach() for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     assert len(biases) == 8 and all(float(b.abs().max()) == 0 for b in biases)

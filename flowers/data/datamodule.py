@@ -263,7 +263,7 @@ class FlowerDataModule(L.LightningDataModule):
             return [str(target)]
         if not target.is_dir():
             raise DataError(f"--data.predict_dir {str(target)!r} does not exist.")
-        paths = [str(path) for path in list_image_files(target)]
+        paths = sorted(str(path) for path in list_image_files(target))  # predictions.csv's row order, by path text
         if not paths:
             raise DataError(f"--data.predict_dir {str(target)!r} holds no images.")
         return paths

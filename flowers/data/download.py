@@ -191,7 +191,7 @@ def fetch_flower_photos(
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowers download", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="flowers download", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"where the class folders go (default {DEFAULT_DIR})")
     p.add_argument("--url", default=FLOWER_PHOTOS_URL)
     p.add_argument("--sha256", default=FLOWER_PHOTOS_SHA256, help="expected SHA-256; 'none' skips the check")
