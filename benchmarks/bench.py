@@ -6,9 +6,9 @@ In one process, on the same images, split, model, optimizer (Adam 2e-4), batch s
   epoch then a val epoch under ``torch.no_grad``);
 * ``b``: ``Trainer.fit`` with the tutorial's settings on the same loader in fp32, with no progress bar,
   logger or checkpointing: Lightning's own cost;
-* ``b_cli``: ``b`` plus what ``python -m flowers fit`` adds (TensorBoard logger, the project's callbacks);
-* ``c``: ``fit`` with ``configs/fast.yaml`` (cache + batched augmentation, bf16-mixed, channels_last,
-  the fused optimizer step, larger eval batch, pinned memory on CUDA).
+* ``b_cli``: ``b`` plus what ``flowers fit`` adds (TensorBoard logger, the project's callbacks);
+* ``c``: ``fit`` with ``configs/fast.yaml`` (cache + batched augmentation, its ``precision: auto`` resolved
+  as the CLI does, channels_last, the fused optimizer step, larger eval batch, pinned memory on CUDA).
 
 The images are ``--data-dir`` (default: ``$FLOWERS_DATA_DIR`` when set, else ``data/flower_photos`` from
 ``make data``) or ``--synthetic``; fast.yaml is read from the repository's ``configs/``. Run it from a
@@ -18,9 +18,10 @@ Each variant is warmed up, then run ``--repeats`` times, alternating, one full e
 repeat runs them in reverse order (a b c, c b a, …), so a machine that drifts within a repeat does not
 always favour the same variant. The table gives
 medians (min–max) and each ratio to ``a``; the compute floor (train steps on tensors already in
-memory) and the loaders alone say how close each variant gets to what the hardware allows. The floor
-is measured in every repeat, right after the variants, and each run is compared with its own repeat's
-floor: a shared or throttled machine drifts by ±15 % over minutes, which would swamp a floor taken once.
+memory, with each variant's own precision, memory format and optimizer step) and the loaders alone say
+how close each variant gets to what the hardware allows. The floor is measured in every repeat, right
+after the variants, and each run is compared with its own repeat's floor: a shared or throttled machine
+drifts by ±15 % over minutes, which would swamp a floor taken once.
 Peak memory is the GPU's on CUDA, else the main process's resident peak (loader workers not included).
 
 ``--ablate "model.channels_last=false"`` adds a variant: ``c`` with those fast.yaml settings changed
@@ -57,6 +58,7 @@ import torch
 import yaml
 from torch import nn
 
+from flowers import precision
 from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
 from flowers.data import FlowerDataModule
 from flowers.data.download import DEFAULT_DIR
@@ -252,6 +254,8 @@ def variant_settings(args, variant: str) -> dict:
     """fast.yaml's trainer/model/data settings for ``c`` (with --fast-precision, --compile) or an ablation."""
     fast = fast_settings()
     settings = {section: dict(fast.get(section) or {}) for section in ("trainer", "model", "data")}
+    if fast.get("precision") == "auto" and "precision" not in settings["trainer"]:
+        settings["trainer"]["precision"] = precision.resolve(args.device)[0]  # as the CLI resolves it
     if args.fast_precision:
         settings["trainer"]["precision"] = args.fast_precision
     if args.compile:
@@ -299,14 +303,15 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
 
 
 # -- floor and loaders --------------------------------------------------------------------------
-def compute_floor(args, device: torch.device, num_classes: int) -> dict:
-    """Train images/s on one batch already on the device: what the model alone allows."""
+def compute_floor(args, device: torch.device, num_classes: int, names: list[str]) -> dict:
+    """Train images/s on one batch already on the device, for each of ``names`` (``_floor_key``'s form): what
+    the model alone allows with those settings. Only the floors the compared variants use are measured:
+    an emulated bf16 floor alone takes minutes on a CPU without native bf16."""
     steps = args.floor_steps
     results = {}
-    for name, dtype, channels_last, fused in (
-        ("fp32", None, False, False), ("bf16", torch.bfloat16, False, False),
-        ("bf16_channels_last", torch.bfloat16, True, False), ("bf16_channels_last_fused", torch.bfloat16, True, True),
-    ):
+    for name in names:
+        dtype = torch.bfloat16 if name.startswith("bf16") else None
+        channels_last, fused = "_channels_last" in name, name.endswith("_fused")
         model = network(args, num_classes).to(device)
         images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
         labels = torch.randint(0, num_classes, (args.batch_size,), device=device)
@@ -358,17 +363,15 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def _floor_key(args, variant: str) -> str:
-    # The floor nearest the variant's own settings: fp32, or bf16 with channels_last and the fused optimizer
-    # as far as the variant has them (the floor is measured for these four combinations only).
+    """The floor with the variant's own precision, memory format and optimizer step, e.g. ``fp32`` for a and b,
+    ``bf16_channels_last_fused`` for c where bf16 is native."""
     if not variant.startswith("c"):
         return "fp32"
     settings = variant_settings(args, variant)
-    if not str(settings["trainer"].get("precision", "32")).startswith("bf16"):
-        return "fp32"
     model = settings["model"]
-    if not model.get("channels_last"):
-        return "bf16"
-    return "bf16_channels_last_fused" if model.get("fused_optimizer") else "bf16_channels_last"
+    name = "bf16" if str(settings["trainer"].get("precision", "32")).startswith("bf16") else "fp32"
+    return name + ("_channels_last" if model.get("channels_last") else "") + ("_fused" if model.get("fused_optimizer")
+                                                                           else "")
 
 
 def label(report: dict, variant: str) -> str:
@@ -436,7 +439,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ablate", action="append", default=[], metavar="SETTINGS",
                         help="add a variant: c with these fast.yaml settings changed, e.g. "
                              "'model.channels_last=false' or 'data.cache=false trainer.precision=32-true'")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--json", type=Path, default=None, help="also write the full results here")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -462,7 +466,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def bench(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device)
     probe = _datamodule(args)
     probe.setup("fit")
     start = time.perf_counter()
@@ -473,7 +477,8 @@ def bench(args: argparse.Namespace) -> dict:
         runners[variant] = lambda workdir, v=variant: run_fit(args, device, v, workdir)
     runs = {v: [] for v in args.variants}
     floor_runs: dict[str, list[float]] = {}
-    fast_precision = args.fast_precision or fast_settings()["trainer"]["precision"]
+    fast_precision = variant_settings(args, "c")["trainer"]["precision"]
+    floor_names = list(dict.fromkeys(_floor_key(args, variant) for variant in args.variants))
     with tempfile.TemporaryDirectory(prefix="benchmark-flowers-") as tmp:
         warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches, "epochs": 1})
         for variant in args.variants if args.warmup_batches > 0 else ():
@@ -488,7 +493,7 @@ def bench(args: argparse.Namespace) -> dict:
                 print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
                       f"epoch {result['epoch_s']:.2f} s, val acc {result['val_acc']:.3f}, train loss "
                       f"{result['history'][-1]['train_loss']:.4f}", file=sys.stderr, flush=True)
-            floor_now = compute_floor(args, device, probe.num_classes)
+            floor_now = compute_floor(args, device, probe.num_classes, floor_names)
             for name, value in floor_now.items():
                 floor_runs.setdefault(name, []).append(value)
             for variant in args.variants:

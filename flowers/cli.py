@@ -6,6 +6,7 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -15,7 +16,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from flowers import checks, runs
+from flowers import checks, precision, runs
 from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
 from flowers.checkpointing import (
     BEST_CHECKPOINT,
@@ -44,6 +45,11 @@ class FlowersCLI(LightningCLI):
         parser.set_defaults({f"checkpoint.{key}": value for key, value in LAST_CHECKPOINT.items()})
         parser.link_arguments("checkpoint.dirpath", "best_checkpoint.dirpath")
         parser.add_lightning_class_args(PredictionWriter, "predictions")
+        parser.add_argument(
+            "--precision", type=Literal["auto"] | None, default=None,
+            help="auto: --trainer.precision=bf16-mixed where bf16 runs natively (a CUDA GPU with bf16, a CPU with "
+                 "avx512_bf16 or amx_bf16), else 32-true. Used only while --trainer.precision is unset.",
+        )
         parser.add_argument(
             "--ddp_timeout", type=float, default=DDP_TIMEOUT_S,
             help="Seconds a ddp process waits for its peers in a collective (gradient sync, barrier) before it "
@@ -75,6 +81,9 @@ class FlowersCLI(LightningCLI):
             config.model[key] = value
         if "channels_last" in config.data:
             config.data.channels_last = config.model.channels_last
+        if config.get("precision") == "auto" and config.trainer.get("precision") is None:
+            config.trainer.precision, why = precision.resolve(config.trainer.get("accelerator"))
+            rank_zero_info(f"precision: auto -> --trainer.precision={config.trainer.precision} ({why})")
         checks.check_devices(config.trainer)
         checks.check_image_sizes(config.data)
         if self.subcommand is not None:

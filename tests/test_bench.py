@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowers import precision
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
 # Tiny images and batches, one floor step, no warm-up: a run takes seconds on CPU.
@@ -26,7 +28,15 @@ def bench():
     return module
 
 
-def test_bench_prints_every_row_and_writes_json(bench, in_tmp, tiny_synthetic, capsys):
+def fake_cpu(monkeypatch, tmp_path, flags: str) -> None:
+    """This machine's CPU as one with ``flags``, for ``precision: auto``."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu sse avx2 {flags}\n")
+    monkeypatch.setattr(precision, "CPUINFO", cpuinfo)
+
+
+def test_bench_prints_every_row_and_writes_json(bench, in_tmp, tiny_synthetic, capsys, monkeypatch):
+    fake_cpu(monkeypatch, in_tmp, "avx512_bf16")
     out = in_tmp / "bench.json"
     code = bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "1", "--repeats", "1",
                        "--json", str(out)])
@@ -38,7 +48,7 @@ def test_bench_prints_every_row_and_writes_json(bench, in_tmp, tiny_synthetic, c
     report = json.loads(out.read_text())
     assert set(report) == {"config", "cache_build_s", "floor", "floor_runs", "loader", "variants"}
     assert all(len(runs) == 1 for runs in report["floor_runs"].values())  # one floor per repeat
-    assert set(report["floor"]) == {"fp32", "bf16", "bf16_channels_last", "bf16_channels_last_fused"}
+    assert list(report["floor"]) == ["fp32", "bf16_channels_last_fused"]  # the floors a, b and c use, no others
     assert set(report["loader"]) == {"pil", "cache"}
     assert list(report["variants"]) == list(bench.VARIANTS)
     for result in report["variants"].values():
@@ -48,6 +58,17 @@ def test_bench_prints_every_row_and_writes_json(bench, in_tmp, tiny_synthetic, c
         assert set(result["summary"]["epoch_s"]) == {"median", "min", "max"}
         assert result["ratio_to_a"] > 0 and result["fraction_of_floor"] > 0
     assert report["config"]["fast_precision"] == "bf16-mixed"
+
+
+def test_without_native_bf16_c_runs_and_is_compared_in_fp32(bench, in_tmp, tiny_synthetic, monkeypatch):
+    fake_cpu(monkeypatch, in_tmp, "")
+    out = in_tmp / "bench.json"
+    assert bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "1", "--repeats", "1",
+                       "--variants", "a,c", "--device", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["fast_precision"] == "32-true"
+    assert report["variants"]["c"]["runs"][0]["used"]["precision"] == "32-true"
+    assert list(report["floor"]) == ["fp32", "fp32_channels_last_fused"]  # no emulated bf16 floor measured
 
 
 def test_bench_trains_several_epochs_and_reports_the_last_accuracy(bench, in_tmp, tiny_synthetic, capsys):
@@ -69,7 +90,8 @@ def test_bench_trains_several_epochs_and_reports_the_last_accuracy(bench, in_tmp
     assert report["variants"]["c"]["runs"][0]["workers"] == 0  # the cache path on CPU loads in-process
 
 
-def test_bench_ablations_run_c_with_the_named_settings_changed(bench, in_tmp, tiny_synthetic, capsys):
+def test_bench_ablations_run_c_with_the_named_settings_changed(bench, in_tmp, tiny_synthetic, capsys, monkeypatch):
+    fake_cpu(monkeypatch, in_tmp, "amx_bf16")
     out = in_tmp / "bench.json"
     assert bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "1", "--repeats", "1",
                        "--variants", "c", "--ablate", "model.channels_last=false",
