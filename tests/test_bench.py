@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flowers import precision
+from tests.conftest import make_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
@@ -153,3 +154,16 @@ def test_bench_is_a_script_and_a_make_target():
     assert "--limit-batches" in help_text and "--variants" in help_text
     makefile = (ROOT / "Makefile").read_text()
     assert "\nbench:" in makefile and "benchmarks/bench.py" in makefile
+
+
+def test_the_tutorial_loop_runs_as_a_whole_process_and_reports_each_epoch(tmp_path):
+    for split, count in (("train", 4), ("val", 2)):
+        make_tree(tmp_path / split, {"daisy": count, "rose": count})
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tutorial_loop.py"), "--data-dir", str(tmp_path),
+                           "--epochs", "2", "--image-size", "64", "--batch-size", "4", "--num-workers", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    epochs = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert all(0 <= e["val_acc"] <= 1 and e["train_loss"] > 0 for e in epochs)
+    assert 0 < epochs[0]["elapsed_s"] < epochs[1]["elapsed_s"]  # since the process started, imports included
