@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 CONFIG ?= configs/quickstart.yaml
 
-.PHONY: help install train data test test-slow test-all lint bench tensorboard clean
+.PHONY: help install train data test test-slow test-all lint bench tta tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -35,6 +35,9 @@ test-all: $(STAMP)  ## run every test
 
 lint: $(STAMP)  ## ruff
 	$(BIN)/ruff check flowers tests benchmarks
+
+tta: $(STAMP)  ## time to accuracy: recipes vs the tutorial loop, whole processes, 3 seeds (needs `make data`)
+	$(BIN)/python benchmarks/tta.py $(TTA_ARGS)
 
 bench: $(STAMP)  ## time an epoch: plain PyTorch vs Lightning vs configs/fast.yaml (needs `make data`)
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
