@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~)(\w*)\n(.*?)^\1", re.DOTALL | re.MULTILINE)
 SHELL = ("", "bash", "sh", "console", "shell")
+SCRIPTS = ("benchmarks/bench.py", "benchmarks/tta.py", "benchmarks/tutorial_loop.py")
 # Placeholders the docs use for numbers a reader fills in (machines M, processes N, rank R).
 NUMBERS = {"M": "2", "N": "2", "R": "0", "$((M * N))": "4"}
 
@@ -42,7 +43,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
 
 def _after_flowers(words: list[str]) -> int | None:
     for i, word in enumerate(words):
-        if word == "benchmarks/bench.py" and i >= 1 and "python" in words[i - 1]:
+        if word in SCRIPTS and i >= 1 and "python" in words[i - 1]:
             return i  # the bench's words start with its own name, which parse_error dispatches on
         if word in ("flowers", ".venv/bin/flowers") and (i == 0 or "=" in words[i - 1] or words[i - 1] == "time"):
             return i + 1
@@ -58,8 +59,8 @@ def parse_error(words: list[str]) -> str | None:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            if words and words[0] == "benchmarks/bench.py":
-                _bench().parse_args([str(ROOT) if w == "$DATA" else w for w in words[1:]])  # a folder that exists
+            if words and words[0] in SCRIPTS:
+                _script(words[0]).parse_args([str(ROOT) if w == "$DATA" else w for w in words[1:]])  # a folder
             elif words and words[0] == "export":
                 export_parser().parse_args(words[1:])
             elif words and words[0] == "download":
@@ -73,8 +74,8 @@ def parse_error(words: list[str]) -> str | None:
     return None
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+def _script(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
