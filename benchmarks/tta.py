@@ -129,6 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-loop", action="store_true", help="leave out the tutorial's loop")
     parser.add_argument("--fit-args", default="", help="extra `flowers fit` arguments for every recipe")
     parser.add_argument("--loop-args", default="", help="extra arguments for benchmarks/tutorial_loop.py")
+    parser.add_argument("--ablate", action="append", default=[], metavar="SETTINGS",
+                        help="add a recipe: the first one with these `fit` settings changed, space-separated, e.g. "
+                             "'data.mixup_alpha=0 trainer.max_epochs=16' (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's epochs here")
     args = parser.parse_args(argv)
     args.recipes = [r.split() for r in args.recipe] or [["configs/tutorial.yaml", "configs/fast.yaml"]]
@@ -144,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     fit_extra, loop_extra = shlex.split(args.fit_args), shlex.split(args.loop_args)
     with tempfile.TemporaryDirectory(prefix="tta-flowers-") as tmp:
         data_dir = split_folder(args.data_dir.resolve(), Path(tmp) / "split")
-        names = {" + ".join(recipe): recipe for recipe in args.recipes}
+        names = {" + ".join(recipe): (recipe, []) for recipe in args.recipes}
+        for settings in args.ablate:  # the first recipe with some settings changed
+            names[f"{' + '.join(args.recipes[0])} with {settings}"] = (
+                args.recipes[0], [f"--{setting}" for setting in shlex.split(settings)])
         warm_up_s = {}
-        for name, recipe in names.items():
+        for name, (recipe, changes) in names.items():
             started = time.time()
             run_fit(recipe, data_dir, 0, Path(tmp) / f"warm-up-{len(warm_up_s)}", [
-                *fit_extra, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
+                *fit_extra, *changes, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
                 "--trainer.limit_val_batches=1"])
             warm_up_s[name] = time.time() - started
         recipes: dict[str, list[dict]] = {name: [] for name in ([] if args.no_loop else [LOOP]) + list(names)}
@@ -160,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name == LOOP:
                     run = run_loop(data_dir, seed, args.loop_epochs, loop_extra)
                 else:
-                    run = run_fit(names[name], data_dir, seed, Path(tmp) / f"runs-{seed}-{order.index(name)}",
-                                  fit_extra)
+                    recipe, changes = names[name]
+                    run = run_fit(recipe, data_dir, seed, Path(tmp) / f"runs-{seed}-{order.index(name)}",
+                                  [*fit_extra, *changes])
                 recipes[name].append({"seed": seed, **run})
                 print(f"# seed {seed} {name}: final val acc {run['epochs'][-1]['val_acc']:.3f} in "
                       f"{run['total_s']:.1f} s", file=sys.stderr, flush=True)
@@ -170,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_loop:
         recipes[f"{LOOP} ({args.loop_epochs} epochs)"] = recipes.pop(LOOP)
     report = {"config": {"data_dir": str(args.data_dir), "seeds": args.seeds, "targets": args.targets,
+                         "ablate": args.ablate,
                          "loop_epochs": args.loop_epochs, "fit_args": args.fit_args, "loop_args": args.loop_args,
                          "train_images": train_images, "val_images": val_images, "cpu_count": os.cpu_count()},
               "warm_up_s": warm_up_s, "recipes": recipes}

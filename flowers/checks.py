@@ -40,7 +40,7 @@ def device_count(devices) -> int | None:
 
 def check_image_sizes(data) -> None:
     """The network's poolings need a side of at least ``MIN_IMAGE_SIZE`` in training and evaluation."""
-    for name in ("image_size", "eval_image_size"):
+    for name in ("image_size", "eval_image_size", "start_image_size"):
         size = data.get(name)
         if size is not None and size < MIN_IMAGE_SIZE:
             raise ConfigError(

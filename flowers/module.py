@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
+from typing import Literal
 
 import lightning as L
 import torch
@@ -91,6 +93,9 @@ class FlowerClassifier(L.LightningModule):
         fused_optimizer: run the optimizer's step as torch's fused kernel (Adam, AdamW, SGD and others
             that take ``fused=True``, on CPU and CUDA): the same update, in one pass over the parameters
             instead of several per tensor. An optimizer without a fused kernel is kept as it is.
+        lr_scaling: under ddp, multiply the optimizer's learning rates by the number of processes
+            (``"linear"``, the rule for a global batch that grows with them, Goyal et al. 2017) or its square
+            root (``"sqrt"``); ``"none"`` keeps them as written. Recorded as ``lr_scale`` in the hyperparameters.
         eval_hflip: score each image and its mirror image, averaging the two logits, wherever the
             model evaluates (validate, test, predict, ``flowers.analysis``); the training crops are flipped
             half the time, so both views are in distribution. Saved with the model; an exported network
@@ -111,6 +116,7 @@ class FlowerClassifier(L.LightningModule):
         compile: bool = False,
         compile_mode: str | None = None,
         fused_optimizer: bool = False,
+        lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         eval_hflip: bool = False,
     ) -> None:
         super().__init__()
@@ -129,6 +135,7 @@ class FlowerClassifier(L.LightningModule):
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
         self.fused_optimizer = fused_optimizer
+        self.lr_scaling = lr_scaling
         self.eval_hflip = eval_hflip
         # micro = fraction of images right (what the tutorial prints); macro = mean of per-class accuracy.
         # validate_args checks the targets' range with a host sync each step: it stalled the GPU's queue.
@@ -145,6 +152,18 @@ class FlowerClassifier(L.LightningModule):
         # sync_dist mean then divides by an integer-averaged batch count under gloo: a metric sums
         # (total, count) over the ranks instead.
         self.train_loss, self.val_loss, self.test_loss = BatchMean(), BatchMean(), BatchMean()
+
+    def __deepcopy__(self, memo: dict) -> FlowerClassifier:
+        # Weight averaging (Lightning's WeightAveraging) deep-copies the module. The optimizer and scheduler
+        # factories build new objects on each call, so the copy shares them; copied, the command line's
+        # partials fail under ddp, where they reach objects holding thread locks.
+        for factory in (self.optimizer_factory, self.scheduler_factory):
+            if factory is not None:
+                memo[id(factory)] = factory
+        duplicate = self.__class__.__new__(self.__class__)
+        memo[id(self)] = duplicate
+        duplicate.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return duplicate
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
@@ -164,9 +183,9 @@ class FlowerClassifier(L.LightningModule):
     def _shared_step(self, batch, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = batch
         logits = self(images) if stage == "train" else self.eval_logits(images)
-        loss = self.loss(logits, labels)
+        loss = self.loss(logits, labels)  # labels: class indices, or soft rows from mixup/cutmix
         metrics, mean_loss = getattr(self, f"{stage}_metrics"), getattr(self, f"{stage}_loss")
-        metrics.update(logits, labels)
+        metrics.update(logits, labels.argmax(dim=1) if labels.is_floating_point() else labels)
         mean_loss.update(loss, labels.shape[0])
         if stage == "train":
             # One self.log a step, for the progress bar and TensorBoard's step curve: this rank's batch loss.
@@ -193,6 +212,7 @@ class FlowerClassifier(L.LightningModule):
         batch_size = getattr(trainer.datamodule, "batch_size", None)
         if batch_size is not None:
             scale["global_batch_size"] = batch_size * trainer.world_size
+        scale["lr_scale"] = self.lr_scale()
         for logger in trainer.loggers:
             logger.log_hyperparams(scale)
 
@@ -225,6 +245,11 @@ class FlowerClassifier(L.LightningModule):
             optimizer = type(optimizer)(params, **{**settings, "foreach": None, "fused": True})
         return optimizer
 
+    def lr_scale(self) -> float:
+        """The factor ``lr_scaling`` applies to the learning rates at this run's world size."""
+        world_size = self.trainer.world_size
+        return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A resumed optimizer takes its settings from the checkpoint's param_groups, which would undo
         # fused_optimizer for a run saved without it. This hook runs before Lightning loads them.
@@ -237,6 +262,9 @@ class FlowerClassifier(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = self._optimizer()
+        scale = self.lr_scale()
+        for group in optimizer.param_groups:  # before the scheduler reads them as its base learning rates
+            group["lr"] *= scale
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)

@@ -181,6 +181,34 @@ def test_a_resumed_ddp_run_with_the_cache_continues_exactly(tmp_path, tiny_synth
         assert torch.equal(got[key], tensor), key
 
 
+@pytest.mark.slow
+def test_lr_scaling_multiplies_the_learning_rate_by_the_process_count(tmp_path, tiny_synthetic):
+    # Adam at 0.001 with a constant rate: the optimizer each rank stepped with says what the scaling did.
+    flowers(["fit", *TINY, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+             "--trainer.limit_val_batches=1", f"--data.data_dir={tiny_synthetic}", "--model.lr_scaling=linear",
+             "--model.optimizer=torch.optim.Adam", "--model.optimizer.lr=0.001"], tmp_path)
+    run = tmp_path / "runs" / "flowers" / "version_0"
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.002)
+    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert hparams["lr_scale"] == 2.0 and hparams["global_batch_size"] == 8
+
+
+@pytest.mark.slow
+def test_the_speedrun_recipe_under_ddp_scales_its_learning_rate_as_documented(tmp_path, tiny_synthetic):
+    # docs/gpu.md: the global batch is devices x batch_size, and speedrun.yaml's AdamW rate grows with its root.
+    flowers(["fit", "--config", str(ROOT / "configs" / "speedrun.yaml"), *TINY, "--trainer.devices=2",
+             "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+             "--data.start_image_size=64", "--data.image_size=80", "--data.eval_image_size=96",
+             f"--data.data_dir={tiny_synthetic}"], tmp_path)
+    run = tmp_path / "runs" / "flowers" / "version_0"
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(6e-4 * 2 ** 0.5)
+    assert "current_model_state" in checkpoint  # the moving average was kept under ddp too
+    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert hparams["lr_scale"] == pytest.approx(2 ** 0.5) and hparams["global_batch_size"] == 8
+
+
 @pytest.fixture
 def eleven_val_images(tmp_path) -> Path:
     root = tmp_path / "odd"

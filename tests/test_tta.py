@@ -45,3 +45,16 @@ def test_a_folder_with_train_and_val_is_used_as_it_is(tta, tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     (tmp_path / "val" / "a").mkdir(parents=True)
     assert tta.split_folder(tmp_path, tmp_path / "elsewhere") == tmp_path
+
+
+@pytest.mark.slow
+def test_an_ablation_is_the_first_recipe_with_settings_changed(tta, tiny_synthetic, tmp_path, capsys):
+    out = tmp_path / "tta.json"
+    assert tta.main(["--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml", "--seeds", "0",
+                     "--no-loop", "--fit-args", TINY_FIT, "--ablate", "trainer.max_epochs=1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    runs = report["recipes"]
+    assert list(runs) == ["configs/quickstart.yaml", "configs/quickstart.yaml with trainer.max_epochs=1"]
+    assert len(runs["configs/quickstart.yaml"][0]["epochs"]) == 2  # TINY_FIT's 2 epochs
+    assert len(runs["configs/quickstart.yaml with trainer.max_epochs=1"][0]["epochs"]) == 1  # the change wins
+    assert "with trainer.max_epochs=1" in capsys.readouterr().out

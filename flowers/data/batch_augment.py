@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -116,11 +116,12 @@ def draw_train_views(
 def crop_flip_normalise(
     squares: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor, *, crop_size: int,
     mean: Sequence[float] = TUTORIAL_MEAN, std: Sequence[float] = TUTORIAL_STD, channels_last: bool = False,
-    batched: bool | None = None,
+    batched: bool | None = None, augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The views of ``draw_train_views`` cut from ``N × 3 × S × S`` uint8 squares: float ``N × 3 × c × c``,
     in channels_last memory order if asked (for a channels_last model, which would otherwise copy it).
-    ``batched``: crop with one ``roi_align`` instead of per image; unset, on CUDA."""
+    ``batched``: crop with one ``roi_align`` instead of per image; unset, on CUDA. ``augment``: applied to
+    each uint8 ``3 × c × c`` view after its flip (e.g. TrivialAugmentWide), one image at a time."""
     if batched is None:
         batched = squares.is_cuda
     crops = _crop_batched(squares, boxes, crop_size) if batched else _crop_each(squares, boxes, crop_size)
@@ -128,6 +129,10 @@ def crop_flip_normalise(
         crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
     else:
         crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
+    if augment is not None:
+        if crops.is_floating_point():  # roi_align's output: the augmentations' colour ops expect uint8 pixels
+            crops = crops.round_().clamp_(0, 255).to(torch.uint8)
+        crops = torch.stack([augment(crop) for crop in crops])
     return _normalise(crops, mean, std, channels_last=channels_last)
 
 

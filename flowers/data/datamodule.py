@@ -10,9 +10,11 @@ import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
+from torchvision.transforms.v2 import functional as F
 
 from flowers.data import synthetic
 from flowers.data.batch_augment import CachedTrainBatch, WithTrainViews, crop_flip_normalise, eval_batch
+from flowers.data.batch_ops import mix_batch, random_erase
 from flowers.data.cache import ImageCache, cache_side, ensure_cache, fitting_side
 from flowers.data.datasets import CachedBatch, CachedImages, LabelledImages, UnlabelledImages
 from flowers.data.download import DEFAULT_DIR, FLOWER_PHOTOS_SHA256, FLOWER_PHOTOS_URL, fetch_flower_photos
@@ -25,7 +27,8 @@ from flowers.data.folders import (
     list_images,
     stratified_split,
 )
-from flowers.data.transforms import eval_transform, train_transform
+from flowers.data.resizing import size_at_epoch
+from flowers.data.transforms import AutoAugment, auto_augment_transform, eval_transform, train_transform
 from flowers.errors import ConfigError, DataError
 
 
@@ -46,6 +49,15 @@ class FlowerDataModule(L.LightningDataModule):
             evaluating about 4/3 larger matches them (Touvron et al., "Fixing the train-test resolution
             discrepancy", 2019); the network's adaptive pooling takes any size.
         crop_scale: area range of the training RandomResizedCrop (the tutorial's, torchvision's default).
+        start_image_size: progressive resizing: training starts at this side and grows to ``image_size``
+            over ``resize_ramp`` (flowers.data.resizing); unset, every epoch trains at ``image_size``.
+        resize_ramp: the fractions of ``max_epochs`` between which the training side grows.
+        auto_augment: ``"trivial"`` (TrivialAugmentWide) or ``"rand"`` (RandAugment): one or two random
+            photometric or geometric changes per training image, after its crop and flip (torchvision's).
+        mixup_alpha, cutmix_alpha: blend pairs of training images (mixup) or paste a box of one into the
+            other (cutmix), with the labels mixed alike; ``λ ~ Beta(α, α)``, 0 = off, half the batches
+            each when both are on (flowers.data.batch_ops).
+        random_erasing: the probability that a training image has a random rectangle blanked to its mean.
         batch_size: per process: under ddp the global batch is ``batch_size × world size``.
         eval_batch_size: batch for val/test/predict; defaults to ``batch_size``.
         num_workers: loader processes per training process; default the tutorial's
@@ -82,6 +94,12 @@ class FlowerDataModule(L.LightningDataModule):
         image_size: int = 224,
         eval_image_size: int | None = None,
         crop_scale: tuple[float, float] = (0.08, 1.0),
+        start_image_size: int | None = None,
+        resize_ramp: tuple[float, float] = (0.25, 0.75),
+        auto_augment: AutoAugment | None = None,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        random_erasing: float = 0.0,
         batch_size: int = 32,
         eval_batch_size: int | None = None,
         num_workers: int | None = None,
@@ -114,6 +132,16 @@ class FlowerDataModule(L.LightningDataModule):
         self.image_size = image_size
         self.eval_image_size = eval_image_size or image_size
         self.crop_scale = crop_scale
+        if not 0 <= resize_ramp[0] <= resize_ramp[1] <= 1:
+            raise ConfigError(f"data.resize_ramp must be two fractions of the run, first <= second, got {resize_ramp}.")
+        if min(mixup_alpha, cutmix_alpha) < 0 or not 0 <= random_erasing <= 1:
+            raise ConfigError("data.mixup_alpha and data.cutmix_alpha must be >= 0 (0 = off) and data.random_erasing "
+                              f"a probability; got {mixup_alpha}, {cutmix_alpha} and {random_erasing}.")
+        self.start_image_size = start_image_size
+        self.resize_ramp = tuple(resize_ramp)
+        self.auto_augment = auto_augment
+        self._tensor_augment = auto_augment_transform(auto_augment)
+        self.mixup_alpha, self.cutmix_alpha, self.random_erasing = mixup_alpha, cutmix_alpha, random_erasing
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self._num_workers = num_workers
@@ -140,6 +168,10 @@ class FlowerDataModule(L.LightningDataModule):
         if self.data_dir is None:
             return list(expected or synthetic.CLASS_NAMES)
         root = self.data_dir
+        if expected is not None and not root.exists():
+            # predict with a checkpoint reads no training folder: a recipe's data_dir may be absent here.
+            # validate/test/fit still stop in setup, where the folder is listed.
+            return list(expected)
         if is_split_layout(root):
             found = find_classes(root / "train")
             for split in ("val", "test"):
@@ -195,7 +227,8 @@ class FlowerDataModule(L.LightningDataModule):
                 self.val_set = CachedImages(cache, range(len(train), len(train) + len(val)),
                                             [s.label for s in val], as_index=as_index)
             else:
-                augment = train_transform(crop_size=self.image_size, crop_scale=self.crop_scale)
+                augment = train_transform(crop_size=self.image_size, crop_scale=self.crop_scale,
+                                          auto_augment=self.auto_augment)
                 self.train_set = LabelledImages(train, augment)
                 self.val_set = LabelledImages(val, self._eval_transform())
         if stage == "test":
@@ -210,17 +243,36 @@ class FlowerDataModule(L.LightningDataModule):
         # Here, on the training device, cached batches become what the PIL transforms would have produced.
         if isinstance(batch, CachedTrainBatch):
             images = crop_flip_normalise(self._squares(batch.squares_or_indices), batch.boxes, batch.flip,
-                                         crop_size=self.image_size, channels_last=self.channels_last)
-        elif isinstance(batch, CachedBatch):
+                                         crop_size=self.train_image_size(), channels_last=self.channels_last,
+                                         augment=self._tensor_augment)
+            return self._augment_batch(images, batch.labels)
+        if isinstance(batch, CachedBatch):
             if self.trainer is not None and self.trainer.training:
                 # Silently evaluation squares, un-augmented, if a rebuilt training loader dropped WithTrainViews.
                 raise RuntimeError("A cached training batch came without its crop boxes: the training DataLoader "
                                    "lost its collate_fn, flowers.data.batch_augment.WithTrainViews.")
             images = eval_batch(self._squares(batch.squares_or_indices), crop_size=self.eval_image_size,
                                 channels_last=self.channels_last)
-        else:
-            return batch
-        return images, batch.labels
+            return images, batch.labels
+        if self.trainer is not None and self.trainer.training:  # a training batch of the PIL path
+            images, labels = batch
+            size = self.train_image_size()
+            if images.shape[-1] != size:  # the loader's workers crop at image_size; the epoch may want less
+                images = F.resize(images, [size, size], antialias=True)
+            return self._augment_batch(images, labels)
+        return batch
+
+    def train_image_size(self) -> int:
+        """The side of this epoch's training images: ``image_size``, or its progressive-resizing schedule."""
+        if self.start_image_size is None or self.trainer is None:
+            return self.image_size
+        return size_at_epoch(self.trainer.current_epoch, self.trainer.max_epochs or 0,
+                             start_size=self.start_image_size, final_size=self.image_size, ramp=self.resize_ramp)
+
+    def _augment_batch(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        images = random_erase(images, prob=self.random_erasing)
+        return mix_batch(images, labels, num_classes=self.num_classes, mixup_alpha=self.mixup_alpha,
+                         cutmix_alpha=self.cutmix_alpha)
 
     def _squares(self, squares_or_indices: torch.Tensor) -> torch.Tensor:
         if self._device_pixels is None:
