@@ -51,7 +51,7 @@ def cutmix(images: torch.Tensor, targets: torch.Tensor, *, alpha: float) -> tupl
     lam = 1 - (bottom - top) * (right - left) / (height * width)
     other = torch.randperm(len(images)).to(images.device)
     mixed = images.clone()
-    mixed[..., top:bottom, left:right] = images[other][..., top:bottom, left:right]
+    mixed[:, :, top:bottom, left:right] = images[other, :, top:bottom, left:right]  # gathers the box only
     return mixed, targets.lerp(targets[other], 1 - lam), lam
 
 
