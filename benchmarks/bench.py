@@ -38,7 +38,20 @@ Lightning and logging allow. On a GPU bound by kernel launches this says whether
 accuracy after the last one (each epoch's val accuracy and mean train loss go to ``--json``);
 ``--epochs 10 --repeats 2`` is the accuracy check of fast vs plain over two seeds (repeat r seeds torch
 with ``--seed`` + r, so a and c start from the same weights; another ``--seed`` adds more seeds). Times
-are then per epoch.
+are then per epoch; each epoch's train time and images go to ``--json`` too, so a run's steady state (the
+epochs after the first, which includes compiling and worker start-up) can be read apart.
+
+The loaders alone (no model) are timed as each loop feeds its network on ``--device``: a's PIL loader with
+the copy to the device, and c's data path as ``fit`` runs it there. On CUDA that is the cache held on the
+GPU when it fits (batches of indices, the crop in ``on_after_batch_transfer``), else the host cache with
+pinned memory and loader workers; on CPU the host cache in the training process. The window is one
+epoch's batches after an untimed first batch (``--loader-batches N`` sets a longer one, running on into
+further epochs).
+
+``--accuracy-only`` is for accuracy checks (``--epochs 10``): the runs are trained and scored as usual, but
+nothing that only serves the speed figures runs (no warm-up, no compute floor, no loaders alone), and
+the table leaves those figures out. It is a flag, not inferred from ``--epochs``: several epochs are
+also how steady-state speed is measured. ``--variants ""`` with ``--ablate`` runs only the ablations.
 """
 
 from __future__ import annotations
@@ -144,6 +157,7 @@ def run_plain(args, device: torch.device) -> dict:
     start = time.perf_counter()
     seen, val_s, history = 0, 0.0, []
     for _ in range(args.epochs):
+        epoch_start, epoch_first_seen = time.perf_counter(), seen
         model.train()
         running_loss, steps = 0.0, 0
         for images, labels in _limited(train_loader, args.limit_batches):
@@ -157,6 +171,7 @@ def run_plain(args, device: torch.device) -> dict:
             steps += 1
         _sync(device)
         val_start = time.perf_counter()
+        train_s = val_start - epoch_start
         model.eval()
         correct = total = 0
         with torch.no_grad():
@@ -165,7 +180,8 @@ def run_plain(args, device: torch.device) -> dict:
                 total += len(labels)
         _sync(device)
         val_s += time.perf_counter() - val_start
-        history.append({"train_loss": running_loss / max(1, steps), "val_acc": correct / max(1, total)})
+        history.append({"train_loss": running_loss / max(1, steps), "val_acc": correct / max(1, total),
+                        "train_s": train_s, "train_images": seen - epoch_first_seen})
     total_s = time.perf_counter() - start
     return {"train_images": seen, "train_s": total_s - val_s, "val_s": val_s / args.epochs,
             "epoch_s": total_s / args.epochs, "peak_mb": _peak_mb(device), "val_acc": correct / max(1, total),
@@ -182,10 +198,12 @@ class _EpochTimer(L.Callback):
         self.epochs = 0
         self.times: dict[str, float] = {}
         self.history: list[dict] = []
+        self.epoch_train: list[dict] = []  # each epoch's train seconds and images
+        self._epoch_first_seen = 0
 
     def on_fit_start(self, trainer, pl_module) -> None:
         _reset_peak(self.device)
-        self.times["start"] = time.perf_counter()
+        self.times["start"] = self.times["epoch_start"] = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.seen += len(batch[1])
@@ -194,13 +212,16 @@ class _EpochTimer(L.Callback):
         if not trainer.sanity_checking:
             _sync(self.device)
             self.times["val_start"] = time.perf_counter()
+            self.epoch_train.append({"train_s": self.times["val_start"] - self.times["epoch_start"],
+                                     "train_images": self.seen - self._epoch_first_seen})
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             _sync(self.device)
-            self.times["end"] = time.perf_counter()
+            self.times["end"] = self.times["epoch_start"] = time.perf_counter()
             self.val_s += self.times["end"] - self.times["val_start"]
             self.epochs += 1
+            self._epoch_first_seen = self.seen
 
     # The finished epoch's values, outside the timed span. Not in on_train_epoch_end: a callback's runs
     # before the module's, which logs the epoch's training loss.
@@ -214,8 +235,9 @@ class _EpochTimer(L.Callback):
     def _record_epoch(self, trainer) -> None:
         metrics = trainer.callback_metrics
         if "val/acc" in metrics:
+            timing = self.epoch_train[len(self.history)] if len(self.epoch_train) > len(self.history) else {}
             self.history.append({"train_loss": float(metrics["train/loss_epoch"]),
-                                 "val_acc": float(metrics["val/acc"])})
+                                 "val_acc": float(metrics["val/acc"]), **timing})
 
     def result(self, trainer) -> dict:
         total_s = self.times["end"] - self.times["start"]
@@ -265,6 +287,14 @@ def variant_settings(args, variant: str) -> dict:
     return settings
 
 
+def fast_data_settings(settings: dict) -> dict:
+    """The datamodule arguments of a ``variant_settings`` result."""
+    data_kwargs = dict(settings.get("data", {}))
+    # Cached batches in the model's memory order (else every float batch is copied), unless the variant sets it.
+    data_kwargs.setdefault("channels_last", bool(settings.get("model", {}).get("channels_last")))
+    return data_kwargs
+
+
 def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
     timer = _EpochTimer(device)
     trainer_kwargs = dict(
@@ -283,9 +313,7 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
         fast = variant_settings(args, variant)
         trainer_kwargs.update(fast.get("trainer", {}))
         model_kwargs = dict(fast.get("model", {}))
-        data_kwargs = dict(fast.get("data", {}))
-        # Cached batches in the model's memory order (else every float batch is copied), unless the variant sets it.
-        data_kwargs.setdefault("channels_last", bool(model_kwargs.get("channels_last")))
+        data_kwargs = fast_data_settings(fast)
     datamodule = _datamodule(args, **data_kwargs)
     model = FlowerClassifier(datamodule.num_classes, datamodule.class_names, **model_kwargs)
     if args.network == "free":
@@ -333,24 +361,54 @@ def compute_floor(args, device: torch.device, num_classes: int, names: list[str]
     return results
 
 
-def loader_alone(args, device: torch.device) -> dict:
-    """Train images/s of each data path with no model: PIL per image, and c's cache + batched augmentation."""
-    results = {}
-    cached = {"cache": True, "pin_memory": device.type == "cuda",
-              "channels_last": bool(fast_settings()["model"].get("channels_last"))}
-    for name, overrides in (("pil", {}), ("cache", cached)):
-        datamodule = _datamodule(args, **overrides)
+def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]:
+    """Train images/s of each data path with no model, as its loop feeds the network on ``device``: a's PIL
+    loader plus the copy to the device, and c's path as ``fit`` runs it there (see the module's docstring).
+    Returns the figures and what was measured."""
+    results, detail = {}, {}
+    for name in ("pil", "cache"):
+        if name == "pil":
+            datamodule = _datamodule(args)
+        else:
+            settings = variant_settings(args, "c")
+            datamodule = _datamodule(args, **fast_data_settings(settings))
+            # The datamodule decides from its trainer where the cache lives and the batches' dtype, as in c's fit.
+            datamodule.trainer = L.Trainer(accelerator=device.type, devices=1,
+                                           precision=settings["trainer"]["precision"], logger=False,
+                                           enable_checkpointing=False, enable_progress_bar=False,
+                                           enable_model_summary=False, default_root_dir=str(workdir))
         datamodule.setup("fit")
-        seen = 0
-        start = time.perf_counter()
-        for batch in _limited(datamodule.train_dataloader(), args.limit_batches):
-            if name == "cache":  # what fit does to each batch
+        loader = datamodule.train_dataloader()
+        per_epoch = len(loader) if args.limit_batches is None else min(len(loader), args.limit_batches)
+        window = args.loader_batches or per_epoch
+        batches = _cycled(loader, per_epoch)
+        for i in range(window + 1):
+            if i == 1:  # the first batch starts the workers and warms the crop's kernels: not timed
+                _sync(device)
+                start, seen = time.perf_counter(), 0
+            batch = next(batches)
+            if name == "pil":  # as a's loop does
+                batch = [tensor.to(device) for tensor in batch]
+            else:  # as fit does
                 batch = datamodule.transfer_batch_to_device(batch, device, 0)
                 batch = datamodule.on_after_batch_transfer(batch, 0)
-            seen += len(batch[1])
+            if i >= 1:
+                seen += len(batch[1])
         _sync(device)
         results[name] = seen / (time.perf_counter() - start)
-    return results
+        if name == "cache":
+            on_device = getattr(datamodule.train_set, "as_index", False)
+            path = (f"cache on {device}, batches of indices" if on_device else
+                    f"cache in host memory, {datamodule.num_workers} workers"
+                    + (", pinned" if loader.pin_memory else ""))
+            detail = {"batches": window, "cache_path": path + f", crop on {device.type}"}
+        del loader, datamodule
+    return results, detail
+
+
+def _cycled(loader, per_epoch: int):
+    while True:
+        yield from _limited(loader, per_epoch)
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -389,20 +447,24 @@ def table(report: dict) -> str:
         ips, ep = s["train_images_per_s"], s["epoch_s"]
         ratio = f"{ips['median'] / base['summary']['train_images_per_s']['median']:.3f}" if base else "-"
         time_ratio = f"{ep['median'] / base['summary']['epoch_s']['median']:.3f}" if base else "-"
+        of_floor = "-" if result["fraction_of_floor"] is None else f"{result['fraction_of_floor']:.1%}"
         rows.append(f"{label(report, variant):34} {ips['median']:8.1f} ({ips['min']:.1f}–{ips['max']:.1f})"
                     f" {ep['median']:7.2f} ({ep['min']:.2f}–{ep['max']:.2f}) {s['peak_mb']['median']:8.0f}"
-                    f" {ratio:>8} {time_ratio:>7} {result['fraction_of_floor']:7.1%}"
+                    f" {ratio:>8} {time_ratio:>7} {of_floor:>7}"
                     f" {result['val_acc_mean']:10.3f} ({s['val_acc']['min']:.3f}–{s['val_acc']['max']:.3f})"
                     f"  [{result['runs'][0]['workers']} workers]")
-    floor, loader = report["floor"], report["loader"]
-    rows.append(f"{'floor: train step on tensors':34} " + ", ".join(
-        f"{name.replace('_channels_last', '+channels_last').replace('_fused', '+fused')} {floor[name]:.1f}"
-        f" ({min(runs):.1f}–{max(runs):.1f})" for name, runs in report["floor_runs"].items()) + " img/s")
-    rows.append(f"{'':34} (÷floor: median over repeats of each run ÷ the floor of its own repeat and settings)")
-    rows.append(f"{'loader alone (train)':34} PIL {loader['pil']:.1f}, "
-                f"cache+batched augment {loader['cache']:.1f} img/s")
+    floor, loader, c = report["floor"], report["loader"], report["config"]
+    if c.get("accuracy_only"):
+        rows.append(f"{'floor, loaders alone':34} not measured (--accuracy-only)")
+    else:
+        rows.append(f"{'floor: train step on tensors':34} " + ", ".join(
+            f"{name.replace('_channels_last', '+channels_last').replace('_fused', '+fused')} {floor[name]:.1f}"
+            f" ({min(runs):.1f}–{max(runs):.1f})" for name, runs in report["floor_runs"].items()) + " img/s")
+        rows.append(f"{'':34} (÷floor: median over repeats of each run ÷ the floor of its own repeat and settings)")
+        window = c["loader"]
+        rows.append(f"{'loader alone (train)':34} PIL {loader['pil']:.1f}, c's path {loader['cache']:.1f} img/s "
+                    f"({window['cache_path']}; {window['batches']} batches after an untimed one)")
     rows.append(f"cache build (once): {report['cache_build_s']:.2f} s")
-    c = report["config"]
     rows.append(f"{c['device']}, {c['threads']} threads, batch {c['batch_size']}, {c['image_size']} px, "
                 f"{c['train_images']} train / {c['val_images']} val images, {c['repeats']} repeats of "
                 f"{c['epochs']} epoch(s); val acc after the last epoch, repeat r seeded with {c['seed']} + r")
@@ -430,8 +492,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--limit-batches", type=int, default=None, help="batches per epoch (for smoke tests)")
     parser.add_argument("--floor-steps", type=int, default=20)
+    parser.add_argument("--loader-batches", type=int, default=None,
+                        help="batches timed for the loaders alone (default: one epoch's)")
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="train and score only: no warm-up, compute floor or loaders alone (accuracy checks)")
     parser.add_argument("--warmup-batches", type=int, default=3, help="batches of each variant's warm-up run (0: none)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"a subset of {','.join(VARIANTS)} (empty: only the --ablate variants)")
     parser.add_argument("--network", choices=("alexnet", "free"), default="alexnet",
                         help="free: a network that costs next to nothing, so each figure is its loop's ceiling")
     parser.add_argument("--fast-precision", default=None, help="override fast.yaml's precision for c")
@@ -454,6 +521,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.variants.append(name)
     if args.repeats < 1 or args.epochs < 1:
         raise ConfigError(f"--repeats and --epochs must be at least 1, got {args.repeats} and {args.epochs}.")
+    if not args.variants:
+        raise ConfigError("--variants is empty and there is no --ablate: nothing to run.")
+    if args.loader_batches is not None and args.loader_batches < 1:
+        raise ConfigError(f"--loader-batches must be at least 1, got {args.loader_batches}.")
+    if args.accuracy_only:
+        args.warmup_batches = 0
     if args.synthetic:
         from flowers.data import synthetic
 
@@ -479,6 +552,7 @@ def bench(args: argparse.Namespace) -> dict:
     floor_runs: dict[str, list[float]] = {}
     fast_precision = variant_settings(args, "c")["trainer"]["precision"]
     floor_names = list(dict.fromkeys(_floor_key(args, variant) for variant in args.variants))
+    loader, loader_detail = None, None
     with tempfile.TemporaryDirectory(prefix="benchmark-flowers-") as tmp:
         warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches, "epochs": 1})
         for variant in args.variants if args.warmup_batches > 0 else ():
@@ -493,6 +567,8 @@ def bench(args: argparse.Namespace) -> dict:
                 print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
                       f"epoch {result['epoch_s']:.2f} s, val acc {result['val_acc']:.3f}, train loss "
                       f"{result['history'][-1]['train_loss']:.4f}", file=sys.stderr, flush=True)
+            if args.accuracy_only:
+                continue
             floor_now = compute_floor(args, device, probe.num_classes, floor_names)
             for name, value in floor_now.items():
                 floor_runs.setdefault(name, []).append(value)
@@ -501,16 +577,19 @@ def bench(args: argparse.Namespace) -> dict:
                 runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[key]
             print(f"# repeat {repeat + 1}/{args.repeats} floor: " + ", ".join(
                 f"{name} {value:.1f}" for name, value in floor_now.items()) + " img/s", file=sys.stderr, flush=True)
+        if not args.accuracy_only:
+            loader, loader_detail = loader_alone(args, device, Path(tmp))
     floor = {name: statistics.median(values) for name, values in floor_runs.items()}
-    loader = loader_alone(args, device)
     report = {
         "config": {"device": str(device), "threads": torch.get_num_threads(), "workers": probe.num_workers,
                    "batch_size": args.batch_size, "image_size": args.image_size, "repeats": args.repeats,
                    "limit_batches": args.limit_batches, "epochs": args.epochs, "seed": args.seed,
                    "data_dir": str(args.data_dir),
                    "train_images": len(probe.train_set), "val_images": len(probe.val_set),
+                   "num_classes": probe.num_classes,
                    "fast_precision": fast_precision, "compile": args.compile, "ablations": args.ablation_labels,
-                   "network": args.network, "torch": torch.__version__,
+                   "network": args.network, "accuracy_only": args.accuracy_only, "loader": loader_detail,
+                   "torch": torch.__version__,
                    "lightning": L.__version__, "cpu_count": os.cpu_count()},
         "cache_build_s": cache_build_s,
         "floor": floor,
@@ -525,7 +604,8 @@ def bench(args: argparse.Namespace) -> dict:
         report["variants"][variant] = {
             "runs": results, "summary": summary,
             "ratio_to_a": ips / base if base else None,
-            "fraction_of_floor": statistics.median(r["fraction_of_floor"] for r in results),
+            "fraction_of_floor": None if args.accuracy_only else statistics.median(
+                r["fraction_of_floor"] for r in results),
             "val_acc_mean": statistics.mean(r["val_acc"] for r in results),
         }
     return report

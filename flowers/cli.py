@@ -22,6 +22,7 @@ from flowers.checkpointing import (
     BEST_CHECKPOINT,
     LAST_CHECKPOINT,
     AtomicCheckpointIO,
+    LastCheckpoint,
     RNGStateCheckpoint,
     check_resumable,
 )
@@ -41,7 +42,7 @@ class FlowersCLI(LightningCLI):
         # The first ModelCheckpoint is trainer.checkpoint_callback: the best one, as "best" and the HPARAMS tab want.
         parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
         parser.set_defaults({f"best_checkpoint.{key}": value for key, value in BEST_CHECKPOINT.items()})
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LastCheckpoint, "checkpoint")
         parser.set_defaults({f"checkpoint.{key}": value for key, value in LAST_CHECKPOINT.items()})
         parser.link_arguments("checkpoint.dirpath", "best_checkpoint.dirpath")
         parser.add_lightning_class_args(PredictionWriter, "predictions")

@@ -14,7 +14,9 @@ from torch import nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from flowers.errors import ConfigError
 from flowers.model import AlexNet
+from flowers.strategies import DataParallelStrategy
 
 TUTORIAL_LR = 2e-4  # the tutorial's Adam learning rate for single-device training
 
@@ -70,6 +72,11 @@ class BatchMean(Metric):
 
     def compute(self) -> torch.Tensor:
         return self.total / self.count
+
+
+def _synced_state(metric: Metric) -> dict[str, torch.Tensor]:
+    with metric.sync_context(should_unsync=True):
+        return {name: value.detach().cpu().clone() for name, value in metric.metric_state.items()}
 
 
 class FlowerClassifier(L.LightningModule):
@@ -203,6 +210,17 @@ class FlowerClassifier(L.LightningModule):
             self.log("train/loss_epoch", self.train_loss, prog_bar=True)
             self.log_dict(self.train_metrics)
 
+    def setup(self, stage: str) -> None:
+        strategy = self.trainer.strategy
+        if self.hparams.compile and isinstance(strategy, DataParallelStrategy) and strategy.on_cuda():
+            # dp's replicas run the network class's own forward, not the compiled one, and dynamo would trace
+            # into data_parallel's threads: refused before any work rather than silently uncompiled.
+            raise ConfigError(
+                "model.compile=true cannot be combined with strategy=dp on GPUs: dp's replicas would run the "
+                "uncompiled network. Use --trainer.strategy=ddp (one compiled network per GPU), or set "
+                "--model.compile=false."
+            )
+
     def on_fit_start(self) -> None:
         # Record how the run is spread: under dp one process splits each batch across its GPUs; under
         # ddp every process loads its own batch, so a step sees batch_size x world_size images.
@@ -250,7 +268,23 @@ class FlowerClassifier(L.LightningModule):
         world_size = self.trainer.world_size
         return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # A checkpoint in the middle of an epoch: the epoch's training loss and accuracy so far, summed over the
+        # ranks (every rank is here: each calls the save, rank 0 writes), so a resume logs the same epoch values.
+        trainer = self.trainer
+        if trainer.fit_loop.epoch_loop.batch_progress.current.processed < trainer.num_training_batches:
+            checkpoint["train_epoch_metrics"] = {name: _synced_state(metric)
+                                                 for name, metric in self._train_epoch_metrics()}
+
+    def _train_epoch_metrics(self) -> list[tuple[str, Metric]]:
+        return [("loss", self.train_loss), *self.train_metrics.items()]
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("train_epoch_metrics", {})
+        if saved and self.global_rank == 0:  # rank 0 adds the ranks' sums; the others start from zero
+            for name, metric in self._train_epoch_metrics():
+                if name in saved:
+                    metric.merge_state(saved[name])
         # A resumed optimizer takes its settings from the checkpoint's param_groups, which would undo
         # fused_optimizer for a run saved without it. This hook runs before Lightning loads them.
         if not self.fused_optimizer:

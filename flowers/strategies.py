@@ -97,7 +97,7 @@ class DataParallelStrategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
-        if self.device_ids and self._on_cuda():
+        if self.device_ids and self.on_cuda():
             return torch.device("cuda", self.device_ids[0])
         return self.parallel_devices[0]
 
@@ -153,7 +153,7 @@ class DataParallelStrategy(ParallelStrategy):
         super().setup_environment()
 
     # -- the model -----------------------------------------------------------------------------
-    def _on_cuda(self) -> bool:
+    def on_cuda(self) -> bool:
         return bool(self.parallel_devices) and self.parallel_devices[0].type == "cuda"
 
     def scatter_device_ids(self) -> list[int]:
@@ -164,7 +164,7 @@ class DataParallelStrategy(ParallelStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        if self._on_cuda():
+        if self.on_cuda():
             self._patch_forward()
         else:
             rank_zero_warn(

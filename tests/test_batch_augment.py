@@ -198,28 +198,30 @@ def test_the_training_loader_draws_each_images_view_reproducibly():
         assert not torch.equal(first[0][2], first[1][2])  # each batch its own draw
 
 
-def test_ddp_ranks_draw_their_own_views_and_keep_their_global_generators_in_step():
-    # With no loader workers (the cache on a GPU) the views are drawn in the training process, whose
-    # global generator is in the same state on every ddp rank. Each rank must still get its own crops and
-    # flips, while the global generators stay in step: a checkpoint stores rank 0's RNG state and resumes
-    # every rank from it. A single process keeps drawing from the global generator itself.
+def test_a_batchs_views_come_from_its_items_seeds_and_leave_the_global_generator_alone():
+    # The training sampler gives every position of an epoch its own seed (flowers.data.sampling): the views
+    # are then the same with any number of workers and on a resume inside the epoch, differ between ddp
+    # ranks (other positions), and the training process's generator (dropout) never moves for them.
     from flowers.data.batch_augment import WithTrainViews
 
-    # One size for all, so the ranks' boxes are comparable.
-    items = [CachedBatch(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]
-
-    def collate(rank):
-        torch.manual_seed(3)
-        _, _, boxes, flip = WithTrainViews(side=64, rank=rank)(items)
+    def collate(first_seed: int, global_seed: int):
+        torch.manual_seed(global_seed)
+        items = [CachedBatch(torch.tensor(i), i % 5, torch.tensor([48, 64]), first_seed + i) for i in range(32)]
+        _, _, boxes, flip = WithTrainViews(side=64)(items)
         return boxes, flip, torch.get_rng_state()
 
-    (boxes0, flip0, state0), (boxes1, flip1, state1) = collate(0), collate(1)
-    assert not torch.equal(boxes0, boxes1) and not torch.equal(flip0, flip1)
-    assert torch.equal(state0, state1)  # the global generators moved alike on both ranks
-    again = collate(1)
-    assert torch.equal(again[0], boxes1) and torch.equal(again[1], flip1)  # and each rank is reproducible
+    boxes, flip, state = collate(first_seed=10, global_seed=0)
+    again_boxes, again_flip, _ = collate(first_seed=10, global_seed=1)
+    assert torch.equal(boxes, again_boxes) and torch.equal(flip, again_flip)
+    torch.manual_seed(0)
+    assert torch.equal(state, torch.get_rng_state())
+    other_boxes, other_flip, _ = collate(first_seed=99, global_seed=0)
+    assert not torch.equal(boxes, other_boxes) and not torch.equal(flip, other_flip)
 
-    boxes, flip, _ = collate(None)
+    # Items read by index (no seed) draw from the global generator.
+    torch.manual_seed(3)
+    items = [CachedBatch(torch.tensor(i), i % 5, torch.tensor([48, 64])) for i in range(32)]
+    _, _, boxes, flip = WithTrainViews(side=64)(items)
     torch.manual_seed(3)
     expected = draw_train_views(torch.tensor([[48, 64]] * 32), side=64)
     assert torch.equal(boxes, expected[0]) and torch.equal(flip, expected[1])
@@ -241,3 +243,47 @@ def test_a_gpu_batch_is_a_handful_of_operations_with_no_host_data():
     assert images.shape == (32, 3, 56, 56) and images.is_contiguous(memory_format=torch.channels_last)
     assert not {"rand", "uniform_", "lift_fresh", "_local_scalar_dense"} & set(ops), ops
     assert len(ops) <= 16, ops
+
+
+def test_a_gpu_batch_is_cropped_flipped_and_normalised_into_its_dtype_and_layout_in_three_passes():
+    # roi_align's float NCHW output once meant a flipped copy, a select, a relayout, the normalisation and
+    # autocast's bf16 cast: five full-size passes after the crop. Now: the crop, one gather, one addcmul.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FullSizeOps(TorchDispatchMode):
+        def __init__(self, numel: int) -> None:
+            super().__init__()
+            self.numel, self.ops = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if isinstance(out, torch.Tensor) and out.numel() == self.numel and not name.startswith("empty"):
+                self.ops.append(name)
+            return out
+
+    squares = torch.randint(0, 256, (8, 3, 40, 40), dtype=torch.uint8)
+    boxes, flip = draw_train_views(torch.tensor([[40, 40]] * 8), side=40, generator=torch.Generator().manual_seed(1))
+    reference = crop_flip_normalise(squares, boxes, flip, crop_size=24, batched=True)
+    with FullSizeOps(8 * 3 * 24 * 24) as record:
+        images = crop_flip_normalise(squares, boxes, flip, crop_size=24, batched=True, channels_last=True,
+                                     dtype=torch.bfloat16)
+    assert [op for op in record.ops if op not in ("view", "expand", "_to_copy")][:3] == ["roi_align", "gather",
+                                                                                         "addcmul"]
+    assert len(record.ops) - record.ops.count("view") - record.ops.count("expand") == 3, record.ops
+    assert images.dtype == torch.bfloat16 and images.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(images.float(), reference, rtol=0, atol=0.01)  # bf16 rounding of values up to 2.1
+
+
+def test_only_a_bf16_run_on_a_gpu_gets_bf16_batches():
+    from flowers.data import FlowerDataModule
+
+    class OnGpu:
+        is_cuda = True
+
+    module = FlowerDataModule()
+    module.trainer = type("Trainer", (), {"precision": "bf16-mixed"})()
+    assert module._batch_dtype(images_on=OnGpu()) == torch.bfloat16
+    assert module._batch_dtype(images_on=torch.zeros(1)) == torch.float32  # CPU: float32 even under bf16
+    module.trainer = type("Trainer", (), {"precision": "32-true"})()
+    assert module._batch_dtype(images_on=OnGpu()) == torch.float32

@@ -88,7 +88,51 @@ def test_bench_trains_several_epochs_and_reports_the_last_accuracy(bench, in_tmp
         for run in result["runs"]:  # one entry per epoch, the last one the run's final accuracy
             assert len(run["history"]) == 2 and run["history"][-1]["val_acc"] == run["val_acc"]
             assert all(entry["train_loss"] > 0 for entry in run["history"])
+            assert [entry["train_images"] for entry in run["history"]] == [8, 8]  # each epoch's own, for steady state
+            assert sum(entry["train_s"] for entry in run["history"]) <= run["train_s"] * 1.001
     assert report["variants"]["c"]["runs"][0]["workers"] == 0  # the cache path on CPU loads in-process
+
+
+def test_accuracy_only_trains_and_scores_without_the_speed_figures(bench, in_tmp, tiny_synthetic, capsys,
+                                                                  monkeypatch):
+    def not_wanted(*args, **kwargs):
+        raise AssertionError("a speed-only measurement ran under --accuracy-only")
+
+    plain_runs = []
+    run_plain = bench.run_plain
+    monkeypatch.setattr(bench, "loader_alone", not_wanted)
+    monkeypatch.setattr(bench, "compute_floor", not_wanted)
+    monkeypatch.setattr(bench, "run_plain", lambda *a, **k: plain_runs.append(1) or run_plain(*a, **k))
+    out = in_tmp / "bench.json"
+    assert bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--warmup-batches", "2", "--limit-batches", "1",
+                       "--repeats", "2", "--variants", "a,c", "--accuracy-only", "--json", str(out)]) == 0
+    assert len(plain_runs) == 2  # the repeats, no warm-up run
+    assert "floor, loaders alone               not measured (--accuracy-only)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["loader"] is None and report["floor"] == {} and report["config"]["accuracy_only"]
+    for result in report["variants"].values():
+        assert len(result["runs"]) == 2 and result["fraction_of_floor"] is None and 0 <= result["val_acc_mean"] <= 1
+
+
+def test_the_loader_alone_times_cs_own_data_path_over_an_epoch(bench, in_tmp, tiny_synthetic, monkeypatch):
+    from flowers.data import FlowerDataModule
+
+    cropped = []
+    on_after = FlowerDataModule.on_after_batch_transfer
+    monkeypatch.setattr(FlowerDataModule, "on_after_batch_transfer",
+                        lambda self, batch, index: cropped.append(self.channels_last) or on_after(self, batch, index))
+    args = bench.parse_args(["--data-dir", str(tiny_synthetic), *TINY])
+    figures, detail = bench.loader_alone(args, torch.device("cpu"), in_tmp)
+    epoch = bench._datamodule(args)
+    epoch.setup("fit")
+    batches = len(epoch.train_dataloader())
+    assert set(figures) == {"pil", "cache"} and min(figures.values()) > 0
+    assert detail == {"batches": batches, "cache_path": "cache in host memory, 0 workers, crop on cpu"}
+    assert cropped == [True] * (batches + 1)  # c's settings (channels_last from fast.yaml); one untimed batch first
+    cropped.clear()
+    args = bench.parse_args(["--data-dir", str(tiny_synthetic), *TINY, "--loader-batches", str(2 * batches + 1)])
+    assert bench.loader_alone(args, torch.device("cpu"), in_tmp)[1]["batches"] == 2 * batches + 1  # on into epochs
+    assert len(cropped) == 2 * batches + 2
 
 
 def test_bench_ablations_run_c_with_the_named_settings_changed(bench, in_tmp, tiny_synthetic, capsys, monkeypatch):
@@ -138,6 +182,10 @@ def test_bench_refuses_a_missing_data_dir_and_unknown_variants(bench, in_tmp, ca
     assert "unknown" in capsys.readouterr().err
     assert bench.main(["--data-dir", str(in_tmp), "--ablate", "model.colour=red"]) == 2
     assert "--ablate 'model.colour=red': expected SECTION.NAME=VALUE" in capsys.readouterr().err
+    assert bench.main(["--data-dir", str(in_tmp), "--variants", ""]) == 2
+    assert "nothing to run" in capsys.readouterr().err
+    assert bench.parse_args(["--data-dir", str(in_tmp), "--variants", "", "--ablate", "data.cache=false"]).variants \
+        == ["c1"]  # only the ablation
 
 
 def test_bench_data_dir_defaults_to_flowers_data_dir(bench, in_tmp, monkeypatch, capsys):

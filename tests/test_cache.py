@@ -112,3 +112,22 @@ def test_two_processes_build_one_consistent_cache(photos, tmp_path):
     assert results[0][1:] == results[1][1:]
     assert [p.name for p in (photos / CACHE_FOLDER).iterdir() if not p.name.startswith(".")] == [
         Path(results[0][1]).name]
+
+
+def test_a_cache_that_would_not_fit_on_the_disk_stops_before_the_build(photos, tmp_path, monkeypatch):
+    import collections
+
+    from flowers.errors import DataError
+
+    builds = _count_builds(monkeypatch)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(cache_mod.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    with pytest.raises(DataError, match=r"needs 0\.0 GiB, more than is free .*--data.cache=false"):
+        ensure_cache(_paths(photos), root=photos, side=32, fallback_dir=tmp_path / "fallback")
+    assert not builds
+
+    # Room in the fallback folder only: the cache goes there.
+    monkeypatch.setattr(cache_mod.shutil, "disk_usage",
+                        lambda path: usage(10**9, 0, 10**9 if "fallback" in str(path) else 1000))
+    cache = ensure_cache(_paths(photos), root=photos, side=32, fallback_dir=tmp_path / "fallback")
+    assert cache.folder.parent == tmp_path / "fallback" and len(builds) == 1

@@ -134,7 +134,7 @@ def test_epoch_training_values_cover_that_epoch_only(tiny_synthetic, tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_epochs=3, limit_val_batches=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
                         default_root_dir=tmp_path)
-    trainer.fit(FlowerClassifier(data.num_classes, optimizer=lambda p: torch.optim.SGD(p, lr=0.5)), datamodule=data)
+    trainer.fit(FlowerClassifier(data.num_classes, optimizer=lambda p: torch.optim.SGD(p, lr=0.05)), datamodule=data)
     assert len(recorder.logged) == len(recorder.batches) == 3
     for batches, logged in zip(recorder.batches, recorder.logged, strict=True):
         images = sum(n for _, n, _ in batches)

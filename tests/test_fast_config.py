@@ -41,7 +41,8 @@ def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
     assert cli.datamodule.channels_last  # linked from the model's setting
     images, _ = cli.datamodule.on_after_batch_transfer(batch, 0)
     assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
-    assert len(list((data / CACHE_FOLDER).iterdir())) == 2  # the cache and its lock file
+    # The cache and its lock file, beside the record of checked images.
+    assert len([p for p in (data / CACHE_FOLDER).iterdir() if not p.name.startswith("verified-")]) == 2
     assert Path(last_checkpoint(trainer)).is_file()
     # The next run finds the same cache.
     again = FlowerDataModule(str(data), image_size=64, cache=True)
@@ -226,6 +227,59 @@ def test_eval_hflip_scores_an_image_and_its_mirror_alike():
         # predict uses the same view as validation
         probs = tta.predict_step((images, torch.arange(3), ["", "", ""]), 0)["probs"]
         torch.testing.assert_close(probs, mirrored.softmax(dim=1))
+
+
+def test_every_rank_takes_the_same_cache_on_device_decision(in_tmp, monkeypatch):
+    # A rank with room would hold the cache on its GPU while another read from host memory: different
+    # loaders and RNG paths. The local answer goes through the strategy's all-ranks decision.
+    from flowers.data import datamodule as datamodule_module
+
+    data = make_tree(in_tmp / "photos", {"a": 4, "b": 4}, size=80)
+    asked = []
+
+    class Strategy:
+        root_device = torch.device("cuda", 0)
+        others_agree = True
+
+        def reduce_boolean_decision(self, decision, all=True):
+            asked.append((decision, all))
+            return decision and self.others_agree
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**12, 10**12))  # plenty on this rank
+    monkeypatch.setattr(datamodule_module, "upload_in_chunks",
+                        lambda pixels, device: torch.from_numpy(np.array(pixels)))
+    for others_agree in (True, False):
+        strategy = Strategy()
+        strategy.others_agree = others_agree
+        module = FlowerDataModule(str(data), image_size=64, batch_size=4, cache=True)
+        module.trainer = type("Trainer", (), {"strategy": strategy})()
+        module.setup("fit")
+        assert module.train_set.as_index is others_agree
+    assert asked == [(True, True), (True, True)]
+
+
+def test_the_cache_goes_to_the_device_a_slice_at_a_time():
+    from flowers.data.cache import upload_in_chunks
+
+    pixels = np.random.default_rng(0).integers(0, 256, (7, 3, 4, 4), dtype=np.uint8)
+    slices = []
+
+    class Recorded:  # the memory map, recording each read
+        shape, dtype = pixels.shape, pixels.dtype
+
+        def __len__(self):
+            return len(pixels)
+
+        def __getitem__(self, index):
+            if isinstance(index, slice):
+                slices.append(len(pixels[index]))
+            return pixels[index]
+
+    for chunk_images in (1, 3, 7, 10):
+        slices.clear()
+        out = upload_in_chunks(Recorded(), torch.device("cpu"), chunk_bytes=chunk_images * pixels[0].nbytes)
+        assert torch.equal(out, torch.from_numpy(pixels))
+        assert max(slices) == min(chunk_images, len(pixels)) and sum(slices) == len(pixels)
 
 
 def test_a_cache_held_on_the_device_gives_the_same_batches(in_tmp, monkeypatch):

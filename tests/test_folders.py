@@ -91,3 +91,47 @@ def test_image_files_are_listed_sorted_at_any_depth_without_hidden_or_linked_fol
     assert list_image_files(folder) == sorted(photos)
     assert [path.relative_to(folder).as_posix() for path in list_image_files(folder)] == [
         "deeper/img000.jpg", "img000.jpg", "img001.jpg"]
+
+
+def test_a_record_of_verified_files_spares_later_runs_all_but_the_new_and_changed_ones(tmp_path, monkeypatch):
+    from flowers.data import folders
+
+    good = write_images(tmp_path / "a", 4)
+    (tmp_path / "a" / "empty.jpg").write_bytes(b"")
+    record = tmp_path / ".cache" / "verified.json"
+    checked = []
+    real = folders.image_problem
+    monkeypatch.setattr(folders, "image_problem", lambda path: (checked.append(path), real(path))[1])
+
+    def check() -> list[str]:
+        checked.clear()
+        kept = drop_unreadable(list_images(tmp_path, ["a"]), where=tmp_path, record=record)
+        return sorted(s.path for s in kept)
+
+    assert check() == sorted(str(p) for p in good) and len(checked) == 5
+    assert check() == sorted(str(p) for p in good) and checked == [str(tmp_path / "a" / "empty.jpg")]
+    good[1].write_bytes(good[1].read_bytes()[:300])  # changed (and now truncated): checked again, and dropped
+    new = write_images(tmp_path / "b" / "a", 1)[0]  # make a new file in the class folder
+    new = new.rename(tmp_path / "a" / "new.jpg")
+    assert check() == sorted(str(p) for p in [good[0], good[2], good[3], new])
+    assert sorted(checked) == sorted(map(str, [tmp_path / "a" / "empty.jpg", good[1], new]))
+
+
+def test_the_check_decodes_in_parallel_threads(tmp_path, monkeypatch):
+    import threading
+
+    from flowers.data import folders
+
+    write_images(tmp_path / "a", 8)
+    real, first_two = folders.image_problem, []
+    both_in_flight = threading.Barrier(2, timeout=10)  # broken (an error) unless two decodes wait at once
+
+    def check(path):
+        if len(first_two) < 2:
+            first_two.append(path)
+            both_in_flight.wait()
+        return real(path)
+
+    monkeypatch.setattr(folders, "image_problem", check)
+    monkeypatch.setattr(folders.os, "cpu_count", lambda: 4)
+    assert len(drop_unreadable(list_images(tmp_path, ["a"]), where=tmp_path)) == 8

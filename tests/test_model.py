@@ -40,4 +40,33 @@ def test_tutorial_init_zeroes_biases_and_keeps_linear_std_small():
     net = AlexNet()
     biases = [m.bias.detach() for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     assert len(biases) == 8 and all(float(b.abs().max()) == 0 for b in biases)
-    assert abs(float(net.classifier[1].weight.std()) - 0.01) < 1e-3
+    assert abs(float(net.classifier[1].weight.detach().std()) - 0.01) < 1e-3
+
+
+def _avgpool_calls(net: AlexNet, size: int) -> int:
+    calls = []
+    handle = net.avgpool.register_forward_hook(lambda *args: calls.append(1))
+    net.eval()(torch.randn(1, 3, size, size))
+    handle.remove()
+    return len(calls)
+
+
+def test_the_adaptive_pool_runs_only_where_the_features_are_not_already_6x6():
+    # CUDA has no deterministic backward for the pool: at the tutorial's 224 px it must not run at all.
+    net = AlexNet()
+    assert _avgpool_calls(net, 224) == 0
+    assert _avgpool_calls(net, 192) == 1
+
+
+@pytest.mark.parametrize("side", [1, 3, 5, 6, 8, 13])
+def test_the_matmul_pool_matches_adaptive_average_pooling_and_its_gradient(side):
+    from flowers.model import adaptive_avg_pool_by_matmul
+
+    x = torch.randn(2, 4, side, side + 2, dtype=torch.float64, requires_grad=True)
+    ours = adaptive_avg_pool_by_matmul(x, (6, 6))
+    reference = torch.nn.functional.adaptive_avg_pool2d(x, (6, 6))
+    torch.testing.assert_close(ours, reference)
+    weights = torch.randn_like(reference)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), x)
+    (grad_reference,) = torch.autograd.grad((reference * weights).sum(), x)
+    torch.testing.assert_close(grad_ours, grad_reference)

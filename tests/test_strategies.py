@@ -63,6 +63,18 @@ def test_dp_on_cpu_fits_as_a_plain_forward_with_single_device_checkpoint_keys(in
     assert not any(key.startswith("module.") or ".module." in key for key in dp_keys)
 
 
+def test_dp_on_gpus_refuses_a_compiled_network_before_any_work(in_tmp, tiny_synthetic, monkeypatch, capsys):
+    from flowers.cli import main
+
+    monkeypatch.setattr(DataParallelStrategy, "on_cuda", lambda self: True)  # what dp sees on a GPU machine
+    code = main(["fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", "--trainer.strategy=dp",
+                 "--model.compile=true"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "model.compile=true cannot be combined with strategy=dp" in err
+    assert not list(in_tmp.rglob("*.ckpt"))
+
+
 def _in_a_parallel_apply_like_thread(module, images):
     """What torch's parallel_apply does per replica: autocast re-entered with the enabled flag only."""
     enabled = torch.is_autocast_enabled("cpu")

@@ -112,3 +112,37 @@ def test_lr_scaling_is_off_on_one_process(in_tmp, tiny_synthetic):
     cli, _ = fit(tiny_synthetic, "--model.lr_scaling=linear")
     assert cli.model.lr_scale() == 1.0
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(2e-4)
+
+
+@PATHS
+def test_drop_last_gives_every_training_step_the_same_batch_size(tiny_synthetic, cache):
+    def batch_sizes(drop_last: bool) -> list[int]:
+        module = FlowerDataModule(str(tiny_synthetic), image_size=64, batch_size=batch, num_workers=0, cache=cache,
+                                  drop_last=drop_last)
+        module.setup("fit")
+        return [len(labels) for _, labels, *_ in module.train_dataloader()]
+
+    module = FlowerDataModule(str(tiny_synthetic))
+    module.setup("fit")
+    batch = next(k for k in range(3, 10) if len(module.train_set) % k)  # a size that leaves a smaller last batch
+    assert batch_sizes(drop_last=False)[-1] < batch
+    assert batch_sizes(drop_last=True) == [batch] * (len(module.train_set) // batch)
+
+
+def test_drop_last_with_a_batch_larger_than_the_training_set_stops_before_training(in_tmp, tiny_synthetic, capsys):
+    assert main(["fit", *TINY_RUN, f"--data.data_dir={tiny_synthetic}", "--data.drop_last=true",
+                 "--data.batch_size=100000"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "data.drop_last=true" in err and "leaves no training batch" in err
+
+
+def test_batches_of_cache_indices_are_pinned_for_the_gpu(tiny_synthetic, monkeypatch):
+    # Indices, labels, boxes and flips cross to the GPU every step: from page-locked memory, asynchronously.
+    monkeypatch.setattr(FlowerDataModule, "_on_cuda", lambda self: True)
+    module = FlowerDataModule(str(tiny_synthetic), image_size=64, cache=True)
+    module._device_pixels = torch.zeros(1, dtype=torch.uint8)  # as after the upload to the GPU
+    assert module.num_workers == 0
+    module.train_set = module.val_set = torch.utils.data.TensorDataset(torch.arange(4))
+    assert module.train_dataloader().pin_memory and module.val_dataloader().pin_memory
+    assert not FlowerDataModule(str(tiny_synthetic), pin_memory=False)._loader(module.train_set, batch_size=2,
+                                                                                shuffle=False).pin_memory

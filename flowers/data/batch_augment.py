@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data import default_collate
 from torchvision.ops import roi_align
 from torchvision.transforms.v2 import functional as F
 
@@ -84,14 +84,16 @@ def _normalisation(mean: tuple[float, ...], std: tuple[float, ...], device: torc
 
 
 def _normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
-               channels_last: bool) -> torch.Tensor:
-    # ToTensor's /255 and Normalize folded into shift + x * scale, one addcmul straight from uint8 (type
-    # promotion makes the float32 output): one pass instead of convert, multiply and add. float32, not bf16:
-    # CPUs without native bf16 elementwise kernels are slower at it, and autocast casts the first conv's
-    # input anyway.
+               channels_last: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # ToTensor's /255 and Normalize folded into shift + x * scale, one addcmul that also writes the batch's
+    # layout and dtype: one pass instead of convert, multiply, add, relayout and autocast's cast. uint8 input
+    # changes layout first, on a quarter of float's bytes. float32 unless asked: CPUs without native bf16
+    # elementwise kernels are slower at it.
     layout = torch.channels_last if channels_last else torch.contiguous_format
     scale, shift = _normalisation(tuple(mean), tuple(std), images.device)
-    return torch.addcmul(shift, images.contiguous(memory_format=layout), scale)
+    if images.dtype == torch.uint8:
+        images = images.contiguous(memory_format=layout)
+    return torch.addcmul(shift, images, scale, out=torch.empty_like(images, dtype=dtype, memory_format=layout))
 
 
 def draw_train_views(
@@ -117,23 +119,40 @@ def crop_flip_normalise(
     squares: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor, *, crop_size: int,
     mean: Sequence[float] = TUTORIAL_MEAN, std: Sequence[float] = TUTORIAL_STD, channels_last: bool = False,
     batched: bool | None = None, augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The views of ``draw_train_views`` cut from ``N × 3 × S × S`` uint8 squares: float ``N × 3 × c × c``,
-    in channels_last memory order if asked (for a channels_last model, which would otherwise copy it).
-    ``batched``: crop with one ``roi_align`` instead of per image; unset, on CUDA. ``augment``: applied to
-    each uint8 ``3 × c × c`` view after its flip (e.g. TrivialAugmentWide), one image at a time."""
+    """The views of ``draw_train_views`` cut from ``N × 3 × S × S`` uint8 squares: ``N × 3 × c × c`` of
+    ``dtype``, in channels_last memory order if asked (for a channels_last model, which would otherwise copy
+    it; bf16 for a bf16 run, which would otherwise cast it). ``batched``: crop with one ``roi_align`` instead
+    of per image; unset, on CUDA. ``augment``: applied to each uint8 ``3 × c × c`` view after its flip (e.g.
+    TrivialAugmentWide), one image at a time."""
     if batched is None:
         batched = squares.is_cuda
     crops = _crop_batched(squares, boxes, crop_size) if batched else _crop_each(squares, boxes, crop_size)
-    if batched:  # no boolean indexing: its output size would need a host sync
-        crops = torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
+    if batched:
+        crops = _flip_rows(crops, flip)
     else:
         crops[flip] = crops[flip].flip(-1)  # only the flipped half is copied
     if augment is not None:
         if crops.is_floating_point():  # roi_align's output: the augmentations' colour ops expect uint8 pixels
             crops = crops.round_().clamp_(0, 255).to(torch.uint8)
         crops = torch.stack([augment(crop) for crop in crops])
-    return _normalise(crops, mean, std, channels_last=channels_last)
+    return _normalise(crops, mean, std, channels_last=channels_last, dtype=dtype)
+
+
+def _flip_rows(crops: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    # One gather reading each flipped image's rows backwards: one pass, where a flipped copy and a select take
+    # two; no boolean indexing, whose output size would need a host sync.
+    side = crops.shape[-1]
+    forwards, backwards = _column_orders(side, crops.device)
+    columns = torch.where(flip.view(-1, 1), backwards, forwards)
+    return crops.gather(-1, columns.view(-1, 1, 1, side).expand_as(crops))
+
+
+@functools.lru_cache(maxsize=16)
+def _column_orders(side: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    forwards = torch.arange(side, device=device)
+    return forwards, forwards.flip(0)
 
 
 class CachedTrainBatch(NamedTuple):
@@ -150,31 +169,24 @@ class WithTrainViews:
     """``collate_fn`` of the cached training loader: the default collate of ``CachedBatch`` items, with
     the original sizes replaced by each image's view (``draw_train_views``): a ``CachedTrainBatch``.
 
-    On the host, so a GPU gets only the crop itself; in the loader's workers when there are any (each
-    seeded by torch, so a run stays reproducible), else in the training process. ``rank``: the process's
-    global rank when several train together (ddp), else None.
+    On the host, so a GPU gets only the crop itself; in the loader's workers when there are any, else in
+    the training process. The views are drawn from a generator seeded with the batch's first item seed
+    (``sampling.EpochSampler`` gives each position of an epoch its own): the same views with any number
+    of workers, on a resume in the middle of an epoch, and a different draw on each ddp rank, without
+    touching the training process's global generator. Items without seeds draw from the global generator.
     """
 
     def __init__(self, *, side: int, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = TUTORIAL_RATIO,
-                 hflip_prob: float = 0.5, rank: int | None = None) -> None:
+                 hflip_prob: float = 0.5) -> None:
         self.side, self.scale, self.ratio, self.hflip_prob = side, tuple(scale), tuple(ratio), hflip_prob
-        self.rank = rank
 
     def __call__(self, items: list[CachedBatch]) -> CachedTrainBatch:
-        squares, labels, sizes = default_collate(items)
-        generator = self._rank_generator() if self.rank is not None and get_worker_info() is None else None
+        squares, labels, sizes, seeds = default_collate(items)
+        first_seed = int(seeds[0])
+        generator = torch.Generator().manual_seed(first_seed) if first_seed >= 0 else None
         boxes, flip = draw_train_views(sizes, side=self.side, scale=self.scale, ratio=self.ratio,
                                        hflip_prob=self.hflip_prob, generator=generator)
         return CachedTrainBatch(squares, labels, boxes, flip)
-
-    def _rank_generator(self) -> torch.Generator:
-        # In the training process every ddp rank's global generator is in the same state (seed_everything
-        # seeds them alike and they draw in step), so drawing from it would give every rank the same crops
-        # and flips at each batch position. One draw from it per batch keeps the ranks in step (a checkpoint
-        # holds rank 0's state and resumes them all exactly); the views come from a generator seeded with
-        # that draw and the rank. (Loader workers are seeded per rank and worker by Lightning already.)
-        seed = int(torch.randint(0, 2**62, (1,)))
-        return torch.Generator().manual_seed(seed + self.rank)
 
 
 def _crop_each(squares: torch.Tensor, boxes: torch.Tensor, crop_size: int) -> torch.Tensor:
@@ -197,9 +209,9 @@ def _crop_batched(squares: torch.Tensor, boxes: torch.Tensor, crop_size: int) ->
 
 def eval_batch(
     squares: torch.Tensor, *, crop_size: int, mean: Sequence[float] = TUTORIAL_MEAN,
-    std: Sequence[float] = TUTORIAL_STD, channels_last: bool = False,
+    std: Sequence[float] = TUTORIAL_STD, channels_last: bool = False, dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``eval_transform`` (squash to ``crop_size²``) on the cached squares, the whole batch in one resize."""
     if squares.shape[-1] != crop_size or squares.shape[-2] != crop_size:
         squares = F.resize(squares, [crop_size, crop_size], antialias=True)
-    return _normalise(squares, mean, std, channels_last=channels_last)
+    return _normalise(squares, mean, std, channels_last=channels_last, dtype=dtype)

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from flowers.data.images import load_rgb
@@ -92,13 +93,20 @@ class ImageCache:
         return len(self.paths)
 
 
+def upload_in_chunks(pixels: np.ndarray, device: torch.device, *, chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """The memory-mapped ``pixels`` copied to ``device`` a slice at a time: the processes of a machine share
+    the file's page cache instead of each holding a private copy of the whole set in host memory."""
+    out = torch.empty(pixels.shape, dtype=torch.uint8, device=device)
+    per_chunk = max(1, chunk_bytes // max(1, pixels[0].nbytes)) if len(pixels) else 1
+    for start in range(0, len(pixels), per_chunk):
+        # np.array copies the read-only slice into a writable buffer, which torch.from_numpy wants.
+        out[start:start + per_chunk].copy_(torch.from_numpy(np.array(pixels[start:start + per_chunk])))
+    return out
+
+
 def ensure_cache(paths: Sequence[str], *, root: Path, side: int, fallback_dir: Path) -> ImageCache:
     key = cache_key(paths, side)
-    base = root / CACHE_FOLDER
-    if not is_writable(base):
-        base = Path(fallback_dir)
-        if not is_writable(base):
-            raise DataError(f"Cannot write the image cache under {root} nor under {base}; set --data.cache_dir.")
+    base = _cache_base(root, Path(fallback_dir), key=key, needed=len(paths) * 3 * side * side)
     target = base / key
 
     def build(folder: Path) -> None:
@@ -108,6 +116,27 @@ def ensure_cache(paths: Sequence[str], *, root: Path, side: int, fallback_dir: P
 
     build_once(target, build, is_complete=_is_complete, waiting_for="building the image cache")
     return ImageCache(target)
+
+
+def _cache_base(root: Path, fallback: Path, *, key: str, needed: int) -> Path:
+    """Where the cache is or goes: beside the data, else in ``fallback``; a folder that can be written and,
+    for a cache still to build, has room for it. Checked before the build rather than failing minutes into it,
+    having taken the room that other writers (checkpoints) need."""
+    candidates = [root / CACHE_FOLDER, fallback]
+    for base in candidates:
+        if _is_complete(base / key):
+            return base
+    writable = [base for base in candidates if is_writable(base)]
+    if not writable:
+        raise DataError(f"Cannot write the image cache under {root} nor under {fallback}; set --data.cache_dir.")
+    for base in writable:
+        if needed <= shutil.disk_usage(base).free * 0.95:
+            return base
+    room = ", ".join(f"{base}: {shutil.disk_usage(base).free / 2**30:.1f} GiB" for base in writable)
+    raise DataError(
+        f"The image cache needs {needed / 2**30:.1f} GiB, more than is free where it can go ({room}). Free "
+        "space, point --data.cache_dir at a disk with room, or train without it: --data.cache=false."
+    )
 
 
 def _is_complete(folder: Path) -> bool:
@@ -121,16 +150,23 @@ def _decode(path: str, side: int) -> tuple[np.ndarray, tuple[int, int]]:
     return np.asarray(square).transpose(2, 0, 1), (image.height, image.width)
 
 
+BUILD_CHUNK = 256  # images decoded ahead of the write: the build's memory does not grow with the folder
+
+
 def _build(paths: Sequence[str], folder: Path, side: int) -> None:
-    pixels = np.lib.format.open_memmap(folder / "pixels.npy", mode="w+", dtype=np.uint8,
-                                       shape=(len(paths), 3, side, side))
     sizes = np.zeros((len(paths), 2), dtype=np.int64)
-    # Threads, not processes: PIL releases the GIL while it decodes and resizes.
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for i, (array, size) in enumerate(pool.map(lambda p: _decode(p, side), paths)):
-            pixels[i], sizes[i] = array, size
-    pixels.flush()
-    del pixels
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
+              "shape": (len(paths), 3, side, side)}
+    # Written through a file, not a writable memory map, whose pages would count against this process's
+    # memory until it is closed: the whole set, for a large folder.
+    with open(folder / "pixels.npy", "wb") as file, ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        np.lib.format.write_array_header_1_0(file, header)
+        for start in range(0, len(paths), BUILD_CHUNK):
+            # Threads, not processes: PIL releases the GIL while it decodes and resizes.
+            for i, (array, size) in enumerate(pool.map(lambda p: _decode(p, side), paths[start:start + BUILD_CHUNK]),
+                                              start=start):
+                file.write(np.ascontiguousarray(array).tobytes())
+                sizes[i] = size
     np.save(folder / "sizes.npy", sizes)
     (folder / MANIFEST).write_text(json.dumps({"version": FORMAT_VERSION, "side": side, "paths": list(paths)}))
 

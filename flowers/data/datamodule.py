@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
@@ -15,7 +15,7 @@ from torchvision.transforms.v2 import functional as F
 from flowers.data import synthetic
 from flowers.data.batch_augment import CachedTrainBatch, WithTrainViews, crop_flip_normalise, eval_batch
 from flowers.data.batch_ops import mix_batch, random_erase
-from flowers.data.cache import ImageCache, cache_side, ensure_cache, fitting_side
+from flowers.data.cache import CACHE_FOLDER, ImageCache, cache_side, ensure_cache, fitting_side, upload_in_chunks
 from flowers.data.datasets import CachedBatch, CachedImages, LabelledImages, UnlabelledImages
 from flowers.data.download import DEFAULT_DIR, FLOWER_PHOTOS_SHA256, FLOWER_PHOTOS_URL, fetch_flower_photos
 from flowers.data.folders import (
@@ -28,6 +28,7 @@ from flowers.data.folders import (
     stratified_split,
 )
 from flowers.data.resizing import size_at_epoch
+from flowers.data.sampling import EpochSampler, ResumableLoader
 from flowers.data.transforms import AutoAugment, auto_augment_transform, eval_transform, train_transform
 from flowers.errors import ConfigError, DataError
 
@@ -80,6 +81,8 @@ class FlowerDataModule(L.LightningDataModule):
             of pixels. Unset: on when training on CUDA and the cache takes under a quarter of the GPU's
             free memory (about 500 MB for 3,216 photos at 224 px).
         pin_memory: page-locked host batches for faster copies to the GPU; unset: on when training on CUDA.
+        drop_last: leave out each epoch's last, smaller training batch, so every step has one shape: CUDA
+            graphs (``model.compile_mode=reduce-overhead``) then replay one graph instead of recording another.
         channels_last: build the cached batches in NHWC memory order, for a channels_last model (which
             would otherwise copy every float batch). The CLI links it from ``model.channels_last``.
     """
@@ -116,6 +119,7 @@ class FlowerDataModule(L.LightningDataModule):
         cache_dir: str = "data/cache",
         cache_on_device: bool | None = None,
         pin_memory: bool | None = None,
+        drop_last: bool = False,
         channels_last: bool = False,
     ) -> None:
         super().__init__()
@@ -156,6 +160,7 @@ class FlowerDataModule(L.LightningDataModule):
         self.cache_on_device = cache_on_device
         self._device_pixels: torch.Tensor | None = None  # the cache on the training device, when held there
         self.pin_memory = pin_memory
+        self.drop_last = drop_last
         self.channels_last = channels_last
         self.class_names = self._check_class_names(class_names)
         self.train_set = self.val_set = self.test_set = self.predict_set = None
@@ -199,7 +204,10 @@ class FlowerDataModule(L.LightningDataModule):
 
     def _labelled(self, folder: Path) -> list[Sample]:
         samples = list_images(folder, self.class_names)
-        return drop_unreadable(samples, where=folder) if self.verify_images else samples
+        if not self.verify_images:
+            return samples
+        record = self._root() / CACHE_FOLDER / f"verified-{hashlib.sha1(str(folder).encode()).hexdigest()[:12]}.json"
+        return drop_unreadable(samples, where=folder, record=record)
 
     def prepare_data(self) -> None:
         # Runs on one process per machine; the others find the synthetic set already drawn.
@@ -244,7 +252,7 @@ class FlowerDataModule(L.LightningDataModule):
         if isinstance(batch, CachedTrainBatch):
             images = crop_flip_normalise(self._squares(batch.squares_or_indices), batch.boxes, batch.flip,
                                          crop_size=self.train_image_size(), channels_last=self.channels_last,
-                                         augment=self._tensor_augment)
+                                         augment=self._tensor_augment, dtype=self._batch_dtype(images_on=batch.boxes))
             return self._augment_batch(images, batch.labels)
         if isinstance(batch, CachedBatch):
             if self.trainer is not None and self.trainer.training:
@@ -252,7 +260,7 @@ class FlowerDataModule(L.LightningDataModule):
                 raise RuntimeError("A cached training batch came without its crop boxes: the training DataLoader "
                                    "lost its collate_fn, flowers.data.batch_augment.WithTrainViews.")
             images = eval_batch(self._squares(batch.squares_or_indices), crop_size=self.eval_image_size,
-                                channels_last=self.channels_last)
+                                channels_last=self.channels_last, dtype=self._batch_dtype(images_on=batch.labels))
             return images, batch.labels
         if self.trainer is not None and self.trainer.training:  # a training batch of the PIL path
             images, labels = batch
@@ -268,6 +276,12 @@ class FlowerDataModule(L.LightningDataModule):
             return self.image_size
         return size_at_epoch(self.trainer.current_epoch, self.trainer.max_epochs or 0,
                              start_size=self.start_image_size, final_size=self.image_size, ramp=self.resize_ramp)
+
+    def _batch_dtype(self, *, images_on: torch.Tensor) -> torch.dtype:
+        # A bf16 run on a GPU gets bf16 batches, written by the normalisation's one pass instead of cast again by
+        # autocast; on CPU float32, which CPUs without native bf16 elementwise kernels handle faster.
+        precision = str(getattr(self.trainer, "precision", "")) if self.trainer is not None else ""
+        return torch.bfloat16 if images_on.is_cuda and precision.startswith("bf16") else torch.float32
 
     def _augment_batch(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = random_erase(images, prob=self.random_erasing)
@@ -289,11 +303,10 @@ class FlowerDataModule(L.LightningDataModule):
             return None
         if self.cache_on_device is None:
             free, _ = torch.cuda.mem_get_info(device)
-            if cache.pixels.nbytes > free / 4:
+            # Decided once for all ranks: ranks that disagreed would run different loaders and RNG paths.
+            if not self.trainer.strategy.reduce_boolean_decision(cache.pixels.nbytes <= free / 4, all=True):
                 return None
-        # One upload of the whole cache (a few seconds for GBs); every batch after it is a gather on the GPU.
-        # np.array reads the memory map into a writable array, which torch.from_numpy wants.
-        return torch.from_numpy(np.array(cache.pixels)).to(device)
+        return upload_in_chunks(cache.pixels, device)
 
     def _eval_transform(self):
         return eval_transform(crop_size=self.eval_image_size)
@@ -340,10 +353,13 @@ class FlowerDataModule(L.LightningDataModule):
     def _on_cuda(self) -> bool:
         return self.trainer is not None and self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
 
-    def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None, collate_fn=None) -> DataLoader:
+    def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None, collate_fn=None,
+                drop_last: bool = False, loader_class: type[DataLoader] = DataLoader,
+                generator: torch.Generator | None = None) -> DataLoader:
         workers = self.num_workers
-        pin = self._on_cuda() and self._device_pixels is None if self.pin_memory is None else self.pin_memory
-        return DataLoader(
+        # Index batches of a cache on the device are pinned too: their step's small copies then run asynchronously.
+        pin = self._on_cuda() if self.pin_memory is None else self.pin_memory
+        return loader_class(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -352,15 +368,37 @@ class FlowerDataModule(L.LightningDataModule):
             persistent_workers=workers > 0,
             pin_memory=pin,
             collate_fn=collate_fn,
+            drop_last=drop_last,
+            # Never the global generator: a loader's iterator draws its workers' base seed from it, and with
+            # persistent workers that happens at a different point of a resumed run than of an unbroken one.
+            generator=generator or torch.Generator(),
         )
 
     def train_dataloader(self) -> DataLoader:
         views = None
         if isinstance(self.train_set, CachedImages):
-            trainer = self.trainer
-            rank = trainer.global_rank if trainer is not None and trainer.world_size > 1 else None
-            views = WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale, rank=rank)
-        return self._loader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=views)
+            views = WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale)
+        trainer = self.trainer
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if self.drop_last and len(self.train_set) < self.batch_size * world_size:
+            raise ConfigError(
+                f"data.drop_last=true with {len(self.train_set)} training images and a batch of {self.batch_size} "
+                f"per process ({world_size} processes) leaves no training batch. Lower --data.batch_size or set "
+                "--data.drop_last=false."
+            )
+        # Our own DistributedSampler, also on one process: a resumable order (flowers.data.sampling), which
+        # Lightning keeps as it is under ddp.
+        sampler = EpochSampler(self.train_set, batch_size=self.batch_size, num_replicas=world_size, rank=rank)
+        loader = self._loader(self.train_set, batch_size=self.batch_size, shuffle=False, sampler=sampler,
+                              collate_fn=views, drop_last=self.drop_last, loader_class=ResumableLoader)
+        if trainer is not None:
+            loader.progress = self._training_progress
+        return loader
+
+    def _training_progress(self) -> tuple[int, int]:
+        """Batches of this epoch the training loop has finished, and the epoch's batches."""
+        trainer = self.trainer
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed, int(trainer.num_training_batches)
 
     def _eval_sampler(self, dataset):
         # Lightning's default DistributedSampler pads the last shard with repeated images, which skews

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from flowers.data.folders import Sample
 from flowers.data.images import DECODE_ERRORS, load_rgb
+from flowers.data.sampling import item_rng
 from flowers.errors import DataError
 
 if TYPE_CHECKING:
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
 
 
 class LabelledImages(Dataset):
+    """Items by index, or by ``(index, seed)`` from the training sampler (``sampling.EpochSampler``): the
+    transform's random draws then come from the item's own seed."""
+
     def __init__(self, samples: Sequence[Sample], transform: Callable) -> None:
         self.samples = list(samples)
         self.transform = transform
@@ -27,7 +31,8 @@ class LabelledImages(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, seed = key if isinstance(key, tuple) else (key, None)
         sample = self.samples[index]
         try:
             image = load_rgb(sample.path)
@@ -38,7 +43,10 @@ class LabelledImages(Dataset):
                 f"Cannot read training image {sample.path!r} ({type(error).__name__}: {error}). Remove or "
                 "replace it, or keep --data.verify_images=true to skip unreadable files with a warning."
             ) from None
-        return self.transform(image), sample.label
+        if seed is None:
+            return self.transform(image), sample.label
+        with item_rng(seed):
+            return self.transform(image), sample.label
 
 
 class UnlabelledImages(Dataset):
@@ -70,11 +78,13 @@ class CachedBatch(NamedTuple):
     squares_or_indices: torch.Tensor  # 3 × S × S uint8 squares, or int64 indices into the cache on the device
     labels: torch.Tensor | int
     sizes: torch.Tensor  # each original's (height, width)
+    seeds: torch.Tensor | int = -1  # from the training sampler; -1 for items read by index
 
 
 class CachedImages(Dataset):
     """Items ``indices`` of an ImageCache, each a one-image ``CachedBatch``; with ``as_index``, the
-    square's index in the cache (int64) in place of the square."""
+    square's index in the cache (int64) in place of the square. Read by ``(index, seed)`` (the training
+    sampler), the item carries its seed, from which ``batch_augment.WithTrainViews`` draws the batch's views."""
 
     def __init__(self, cache: ImageCache, indices: Iterable[int], labels: list[int], *, as_index: bool = False) -> None:
         self.cache = cache
@@ -85,10 +95,12 @@ class CachedImages(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, index: int) -> CachedBatch:
+    def __getitem__(self, key: int | tuple[int, int]) -> CachedBatch:
+        index, seed = key if isinstance(key, tuple) else (key, -1)
         i = int(self.indices[index])
+        size = torch.from_numpy(self.cache.sizes[i])
         if self.as_index:
-            return CachedBatch(torch.tensor(i), self.labels[index], torch.from_numpy(self.cache.sizes[i]))
+            return CachedBatch(torch.tensor(i), self.labels[index], size, seed)
         # np.array copies the memory-mapped image, so the batch does not pin pages of the file.
         square = torch.from_numpy(np.array(self.cache.pixels[i]))
-        return CachedBatch(square, self.labels[index], torch.from_numpy(self.cache.sizes[i]))
+        return CachedBatch(square, self.labels[index], size, seed)
