@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from flowers import checks, precision, runs
+from flowers import checks, precision, restarts, runs
 from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
 from flowers.checkpointing import (
     BEST_CHECKPOINT,
@@ -65,10 +65,19 @@ class FlowersCLI(LightningCLI):
         super().parse_arguments(parser, args)
         config = _command(self.config)
         self._checkpoint = None
+        self._attempt = restarts.current_attempt() if self.config.get("subcommand") == "fit" else None
+        if self._attempt is not None and self._attempt.is_restart and config.get("ckpt_path") in (None, "last"):
+            # Restarted by torchrun or SLURM: this job's own run goes on, never the newest run of the folder.
+            own = restarts.own_last_checkpoint(self._attempt, *runs.run_root(config))
+            config.ckpt_path = str(own) if own is not None else None
+            rank_zero_info(f"Restart {self._attempt.number} of {self._attempt.job}: "
+                           + (f"resuming {own}" if own else "no checkpoint of this job yet, starting over"))
         if config.get("ckpt_path") == "last":
             config.ckpt_path = str(_newest_last_checkpoint(config))
+        self._resumed_step = 0
         if config.get("ckpt_path") not in (None, *LIGHTNING_CKPT_ALIASES):
             self._checkpoint = _read_checkpoint(config.ckpt_path)
+            self._resumed_step = int(self._checkpoint.get("global_step", 0))
         # Lightning then replaces all of model.* with the checkpoint's. What the model is (classes, dropout,
         # loss, optimizer) stays the checkpoint's; how it runs is this command's, as precision and devices are.
         model = config.get("model")
@@ -139,6 +148,13 @@ class FlowersCLI(LightningCLI):
             return super().instantiate_trainer(**kwargs, plugins=plugins)
         except MisconfigurationException as error:
             raise ConfigError(f"The trainer settings do not fit this machine: {error}") from None
+
+    def before_fit(self) -> None:
+        if self._attempt is not None:
+            trainer = self.trainer
+            restarts.start(self._attempt, Path(trainer.log_dir or trainer.default_root_dir),
+                           global_rank=trainer.global_rank, world_size=trainer.world_size,
+                           resumed_from=_command(self.config).get("ckpt_path"), global_step=self._resumed_step)
 
     def after_fit(self) -> None:
         best = self.trainer.checkpoint_callback
@@ -212,11 +228,14 @@ def main(args: list[str] | None = None) -> int:
     try:
         cli_main(args)
     except FlowersError as error:
+        restarts.record_exit(str(error))
         print(f"flowers: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
         if (peer := PeerError.from_distributed(error)) is None:
+            restarts.record_exit(f"{type(error).__name__}: {error}")
             raise
+        restarts.record_exit(str(peer))
         print(f"flowers: error: {peer}", file=sys.stderr)
         sys.stderr.flush()
         # The process group is broken: interpreter shutdown could block in its destructors.

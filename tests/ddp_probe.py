@@ -43,7 +43,8 @@ class Probe(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         sampler = trainer.train_dataloader.sampler
         self.sampler_epochs.append(int(getattr(sampler, "epoch", -1)))
-        self.train_orders.append([int(i) for i in sampler])
+        # flowers' training sampler yields (index, seed) pairs; other samplers yield indices.
+        self.train_orders.append([int(i[0]) if isinstance(i, tuple) else int(i) for i in sampler])
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         self.eval_batch_sizes = []

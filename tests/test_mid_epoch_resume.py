@@ -213,8 +213,8 @@ def unbroken(tmp_path_factory, tiny_synthetic):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setup, moment", [("pil", "between"), ("pil-workers", "writing"), ("cache", "between"),
-                                           ("ddp", "between"), ("ddp-workers", "writing")])
+@pytest.mark.parametrize("setup, moment", [("pil-workers", "writing"), ("cache", "between"), ("ddp", "between"),
+                                           ("ddp-workers", "writing")])
 def test_a_kill_inside_an_epoch_resumes_at_the_next_batch_and_ends_bit_identical(tmp_path, tiny_synthetic, unbroken,
                                                                                   setup, moment):
     extra, processes, reference_setup = SETUPS[setup]

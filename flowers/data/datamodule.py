@@ -354,8 +354,7 @@ class FlowerDataModule(L.LightningDataModule):
         return self.trainer is not None and self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
 
     def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None, collate_fn=None,
-                drop_last: bool = False, loader_class: type[DataLoader] = DataLoader,
-                generator: torch.Generator | None = None) -> DataLoader:
+                drop_last: bool = False, loader_class: type[DataLoader] = DataLoader) -> DataLoader:
         workers = self.num_workers
         # Index batches of a cache on the device are pinned too: their step's small copies then run asynchronously.
         pin = self._on_cuda() if self.pin_memory is None else self.pin_memory
@@ -371,7 +370,7 @@ class FlowerDataModule(L.LightningDataModule):
             drop_last=drop_last,
             # Never the global generator: a loader's iterator draws its workers' base seed from it, and with
             # persistent workers that happens at a different point of a resumed run than of an unbroken one.
-            generator=generator or torch.Generator(),
+            generator=torch.Generator(),
         )
 
     def train_dataloader(self) -> DataLoader:

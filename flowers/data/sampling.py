@@ -47,8 +47,8 @@ def item_rng(seed: int) -> Iterator[None]:
 
 
 class EpochSampler(DistributedSampler):
-    """Yields ``(index, seed)`` for this rank's positions of the epoch, from ``batches`` batches in when
-    resumed mid-epoch. Args as DistributedSampler's, plus the loader's ``batch_size``."""
+    """Yields ``(index, seed)`` for this rank's positions of the epoch, from ``skip_batches`` batches in on
+    the first pass after a mid-epoch resume. Args as DistributedSampler's, plus the loader's ``batch_size``."""
 
     def __init__(self, dataset: Dataset, *, batch_size: int, num_replicas: int = 1, rank: int = 0,
                  seed: int | None = None, shuffle: bool = True) -> None:
