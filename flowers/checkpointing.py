@@ -78,6 +78,12 @@ def _is_local(path) -> bool:
     return "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
 
 
+def epoch_progress(trainer: L.Trainer) -> tuple[int, int]:
+    """(batches of this epoch the training loop has finished, batches in the epoch): where a checkpoint saved
+    now stands, for the parts of it that must know (the training loader's position, the epoch's metrics)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed, trainer.num_training_batches
+
+
 class LastCheckpoint(ModelCheckpoint):
     """The ModelCheckpoint of ``last.ckpt``: at every epoch's end, and with ``train_time_interval`` also
     during an epoch, each time that much time has passed since the last save (decided on rank 0, so all ranks

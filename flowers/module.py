@@ -14,6 +14,7 @@ from torch import nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from flowers.checkpointing import epoch_progress
 from flowers.errors import ConfigError
 from flowers.model import AlexNet
 from flowers.strategies import DataParallelStrategy
@@ -271,8 +272,8 @@ class FlowerClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint in the middle of an epoch: the epoch's training loss and accuracy so far, summed over the
         # ranks (every rank is here: each calls the save, rank 0 writes), so a resume logs the same epoch values.
-        trainer = self.trainer
-        if trainer.fit_loop.epoch_loop.batch_progress.current.processed < trainer.num_training_batches:
+        done, per_epoch = epoch_progress(self.trainer)
+        if done < per_epoch:
             checkpoint["train_epoch_metrics"] = {name: _synced_state(metric)
                                                  for name, metric in self._train_epoch_metrics()}
 

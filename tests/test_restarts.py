@@ -48,3 +48,20 @@ def test_the_attempt_comes_from_the_launchers_variables(monkeypatch):
     assert restarts.current_attempt() == restarts.Attempt("slurm:123", 2)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
     assert restarts.current_attempt() == restarts.Attempt("torchrun:abc", 0)
+
+
+def test_a_restart_records_why_each_rank_of_the_attempt_before_ended(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-r")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = restarts.current_attempt()
+    for rank in (0, 1):  # each rank notes its run folder when fit starts
+        restarts.start(first, tmp_path, global_rank=rank, world_size=2, resumed_from=None, global_step=0)
+    monkeypatch.setenv("RANK", "1")
+    restarts.record_exit("DataError: a photo went missing")  # rank 1 ended with an error; rank 0 left no word
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarts.start(restarts.current_attempt(), tmp_path, global_rank=0, world_size=2,
+                   resumed_from="last.ckpt", global_step=7)
+    (record,) = [json.loads(line) for line in (tmp_path / restarts.RESTARTS_FILE).read_text().splitlines()]
+    assert record["previous_attempt"] == [{"rank": 0, "reason": restarts.NO_RECORD},
+                                          {"rank": 1, "reason": "DataError: a photo went missing"}]
+    assert json.loads((tmp_path / restarts.JOB_FILE).read_text()) == {"job": "torchrun:job-r"}

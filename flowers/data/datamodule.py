@@ -12,6 +12,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 from torchvision.transforms.v2 import functional as F
 
+from flowers.checkpointing import epoch_progress
 from flowers.data import synthetic
 from flowers.data.batch_augment import CachedTrainBatch, WithTrainViews, crop_flip_normalise, eval_batch
 from flowers.data.batch_ops import mix_batch, random_erase
@@ -391,13 +392,8 @@ class FlowerDataModule(L.LightningDataModule):
         loader = self._loader(self.train_set, batch_size=self.batch_size, shuffle=False, sampler=sampler,
                               collate_fn=views, drop_last=self.drop_last, loader_class=ResumableLoader)
         if trainer is not None:
-            loader.progress = self._training_progress
+            loader.progress = lambda: epoch_progress(trainer)
         return loader
-
-    def _training_progress(self) -> tuple[int, int]:
-        """Batches of this epoch the training loop has finished, and the epoch's batches."""
-        trainer = self.trainer
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed, int(trainer.num_training_batches)
 
     def _eval_sampler(self, dataset):
         # Lightning's default DistributedSampler pads the last shard with repeated images, which skews

@@ -3,6 +3,7 @@ the uint8 cache of the fast data path."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -43,9 +44,7 @@ class LabelledImages(Dataset):
                 f"Cannot read training image {sample.path!r} ({type(error).__name__}: {error}). Remove or "
                 "replace it, or keep --data.verify_images=true to skip unreadable files with a warning."
             ) from None
-        if seed is None:
-            return self.transform(image), sample.label
-        with item_rng(seed):
+        with item_rng(seed) if seed is not None else contextlib.nullcontext():
             return self.transform(image), sample.label
 
 
