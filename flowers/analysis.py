@@ -9,6 +9,7 @@ The API behind ``notebooks/explore_checkpoints.ipynb``::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +30,9 @@ from flowers.module import FlowerClassifier
 from flowers.predictions import prediction_rows
 from flowers.runs import CONFIG, find_checkpoints, newest_best_checkpoint, run_dir_of
 
-__all__ = ["Evaluation", "compare_checkpoints", "datamodule_for", "evaluate", "find_checkpoints", "image_size_of",
-           "load", "newest_best_checkpoint", "per_epoch", "predict", "read_scalars", "run_config", "run_dir_of"]
+__all__ = ["Evaluation", "compare_checkpoints", "datamodule_for", "eval_transform_of", "evaluate", "find_checkpoints",
+           "image_size_of", "load", "newest_best_checkpoint", "per_epoch", "predict", "read_scalars", "run_config",
+           "run_dir_of"]
 
 # The run's data settings worth reusing to rebuild its validation split (not loaders or predict inputs).
 DATA_KEYS = ("data_dir", "val_split", "split_seed", "image_size", "eval_image_size", "eval_batch_size", "batch_size",
@@ -114,11 +116,17 @@ def evaluate(model: FlowerClassifier, datamodule: FlowerDataModule, stage: str =
     )
 
 
+def eval_transform_of(model: FlowerClassifier, image_size: int) -> Callable:
+    """The evaluation transform a model was trained for: its normalisation, squashed to ``image_size``."""
+    mean, std = model.normalization()
+    return eval_transform(crop_size=image_size, mean=mean, std=std)
+
+
 @torch.inference_mode()
 def predict(model: FlowerClassifier, paths: list[str | Path], *, top_k: int = 3, image_size: int = 224,
             batch_size: int = 32) -> list[dict]:
     """One row per file, as ``predict --predictions.format json`` writes: path, prediction, probs, top_k, error."""
-    dataset = UnlabelledImages([str(p) for p in paths], eval_transform(crop_size=image_size))
+    dataset = UnlabelledImages([str(p) for p in paths], eval_transform_of(model, image_size))
     device = next(model.parameters()).device
     outputs = []
     for images, indices, errors in DataLoader(dataset, batch_size=batch_size, shuffle=False):

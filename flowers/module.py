@@ -15,6 +15,7 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from flowers.checkpointing import epoch_progress
+from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 from flowers.errors import ConfigError
 from flowers.model import AlexNet
 from flowers.strategies import DataParallelStrategy
@@ -172,6 +173,10 @@ class FlowerClassifier(L.LightningModule):
         memo[id(self)] = duplicate
         duplicate.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return duplicate
+
+    def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The per-channel (mean, std) the network's inputs are normalised with."""
+        return TUTORIAL_MEAN, TUTORIAL_STD
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
