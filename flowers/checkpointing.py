@@ -107,7 +107,7 @@ class LastCheckpoint(ModelCheckpoint):
             return
         due = time.monotonic() - self._last_mid_epoch_save >= self.mid_epoch_interval.total_seconds()
         if trainer.strategy.broadcast(due):
-            trainer.save_checkpoint(self.format_checkpoint_name({}))
+            trainer.save_checkpoint(self.format_checkpoint_name({}), self.save_weights_only)
             self._last_mid_epoch_save = time.monotonic()
 
 

@@ -65,13 +65,14 @@ class FlowersCLI(LightningCLI):
         super().parse_arguments(parser, args)
         config = _command(self.config)
         self._checkpoint = None
-        self._attempt = restarts.current_attempt() if self.config.get("subcommand") == "fit" else None
-        if self._attempt is not None and self._attempt.is_restart and config.get("ckpt_path") in (None, "last"):
-            # Restarted by torchrun or SLURM: this job's own run goes on, never the newest run of the folder.
-            own = restarts.own_last_checkpoint(self._attempt, *runs.run_root(config))
-            config.ckpt_path = str(own) if own is not None else None
-            rank_zero_info(f"Restart {self._attempt.number} of {self._attempt.job}: "
-                           + (f"resuming {own}" if own else "no checkpoint of this job yet, starting over"))
+        self._job = restarts.current_job() if self.config.get("subcommand") == "fit" else None
+        self._restarted = False
+        if self._job is not None and config.get("ckpt_path") in (None, "last"):
+            # Started again by torchrun or SLURM: this job's own run goes on, never the newest run of the folder.
+            own = restarts.own_last_checkpoint(self._job, *runs.run_root(config))
+            if own is not None:
+                config.ckpt_path, self._restarted = str(own), True
+                rank_zero_info(f"{self._job} started again: resuming its own run from {own}")
         if config.get("ckpt_path") == "last":
             config.ckpt_path = str(_newest_last_checkpoint(config))
         self._resumed_step = 0
@@ -150,10 +151,10 @@ class FlowersCLI(LightningCLI):
             raise ConfigError(f"The trainer settings do not fit this machine: {error}") from None
 
     def before_fit(self) -> None:
-        if self._attempt is not None:
+        if self._job is not None:
             trainer = self.trainer
-            restarts.start(self._attempt, Path(trainer.log_dir or trainer.default_root_dir),
-                           global_rank=trainer.global_rank, world_size=trainer.world_size,
+            restarts.start(self._job, Path(trainer.log_dir or trainer.default_root_dir),
+                           global_rank=trainer.global_rank, world_size=trainer.world_size, restarted=self._restarted,
                            resumed_from=_command(self.config).get("ckpt_path"), global_step=self._resumed_step)
 
     def after_fit(self) -> None:
