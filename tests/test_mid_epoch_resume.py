@@ -301,7 +301,9 @@ def test_a_torchrun_job_that_loses_a_rank_restarts_itself_and_ends_as_if_never_s
     (record,) = [json.loads(line) for line in (run / restarts.RESTARTS_FILE).read_text().splitlines()]
     assert (record["attempt"], record["global_step"]) == (1, step), where
     reasons = {entry["rank"]: entry["reason"] for entry in record["previous_attempt"]}
-    assert "lost contact" in reasons[0] and reasons[1] == restarts.NO_RECORD, reasons
+    assert "lost contact" in reasons[0], reasons  # the peer that waited for rank 1 gave up
+    if trouble == "killed":  # a hung rank stopped by torchrun may still get to record an error of its own
+        assert reasons[1] == restarts.NO_RECORD, reasons
     # The resumed attempt logs into the same run, on the steps the unbroken run logged.
     resumed, whole = read_scalars(run), read_scalars(reference / "runs/flowers/version_0")
     for tag in ("train/loss_epoch", "val/acc", "val/loss"):
