@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from flowers import runs
+from flowers import backbones, runs
 from flowers.errors import CheckpointWriteError, ConfigError
 from flowers.files import atomic_write
 
@@ -46,7 +46,6 @@ MID_EPOCH_INTERVAL = timedelta(minutes=1)
 LAST_CHECKPOINT = {"monitor": None, "save_top_k": 1, "filename": runs.LAST, "save_on_train_epoch_end": True,
                    "enable_version_counter": False, "train_time_interval": MID_EPOCH_INTERVAL}
 
-HEAD_KEY = "net.classifier.6.weight"  # FlowerClassifier's last Linear: its rows are the classes
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -145,17 +144,20 @@ class RNGStateCheckpoint(L.Callback):
         random.setstate((version, tuple(state), gauss))
 
 
-def check_resumable(checkpoint: dict[str, Any], path: str, num_classes: int | None) -> None:
+def check_resumable(checkpoint: dict[str, Any], path: str, num_classes: int | None, flag: str = "--ckpt_path") -> None:
     """Refuse, in one sentence, a checkpoint that ``FlowerClassifier`` would reject with a shape dump."""
     state = checkpoint.get("state_dict")
-    if not isinstance(state, dict) or HEAD_KEY not in state:
+    hparams = checkpoint.get("hyper_parameters") or {}
+    backbone = hparams.get("backbone", backbones.TUTORIAL_ALEXNET) if isinstance(hparams, dict) else None
+    head = f"net.{backbones.head_key(backbone)}" if backbone in backbones.names() else None
+    if not isinstance(state, dict) or head not in state:
         raise ConfigError(
-            f"--ckpt_path {path!r} is not a flowers checkpoint (it holds no FlowerClassifier weights). Use a "
+            f"{flag} {path!r} is not a flowers checkpoint (it holds no FlowerClassifier weights). Use a "
             "last.ckpt or best-*.ckpt from runs/flowers/version_N/checkpoints/."
         )
-    classes = state[HEAD_KEY].shape[0]
+    classes = state[head].shape[0]
     if num_classes is not None and classes != num_classes:
         raise ConfigError(
-            f"--ckpt_path {path!r} was trained for {classes} classes, but the data has {num_classes}. "
+            f"{flag} {path!r} was trained for {classes} classes, but the data has {num_classes}. "
             "Point --data.data_dir at data with the checkpoint's classes, or train from scratch without --ckpt_path."
         )

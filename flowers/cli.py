@@ -14,10 +14,10 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from flowers import checks, precision, restarts, runs
-from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
+from flowers import backbones, checks, lightning_internals, precision, restarts, runs
+from flowers.callbacks import ClassIndicesWriter, LearningRateFinderReport, TensorBoardPictures
 from flowers.checkpointing import (
     BEST_CHECKPOINT,
     LAST_CHECKPOINT,
@@ -59,6 +59,9 @@ class FlowersCLI(LightningCLI):
         # The classes come from the data, never from a hard-coded list.
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+        # The normalisation is the data's to apply and the model's to remember (predict, export, serve).
+        parser.link_arguments("data.mean", "model.mean", apply_on="instantiate")
+        parser.link_arguments("data.std", "model.std", apply_on="instantiate")
         parser.link_arguments("model.channels_last", "data.channels_last")
 
     def parse_arguments(self, parser, args) -> None:
@@ -79,6 +82,9 @@ class FlowersCLI(LightningCLI):
         if config.get("ckpt_path") not in (None, *LIGHTNING_CKPT_ALIASES):
             self._checkpoint = _read_checkpoint(config.ckpt_path)
             self._resumed_step = int(self._checkpoint.get("global_step", 0))
+            if self.config.get("subcommand") == "fit":
+                _warn_overridden_model_flags(config.get("model"), lightning_internals.subcommand_defaults(
+                    self, "fit").get("model"), self._checkpoint.get("hyper_parameters", {}))
         # Lightning then replaces all of model.* with the checkpoint's. What the model is (classes, dropout,
         # loss, optimizer) stays the checkpoint's; how it runs is this command's, as precision and devices are.
         model = config.get("model")
@@ -100,6 +106,8 @@ class FlowersCLI(LightningCLI):
         if self.subcommand is not None:
             dirpath = config.get("checkpoint", {}).get("dirpath")
             checks.check_writable([Path(*runs.run_root(config))] + ([Path(dirpath)] if dirpath else []))
+        if "mean" in config.data and config.data.get("mean") is None:
+            config.data.mean, config.data.std = self._normalisation(config)
         if self._checkpoint is None:
             return
         if config.data.get("class_names") is None:
@@ -107,13 +115,30 @@ class FlowersCLI(LightningCLI):
             # classes fail with a clear message.
             config.data.class_names = self._checkpoint.get("hyper_parameters", {}).get("class_names")
         save_dir, name = runs.run_root(config)
-        logger = config.trainer.get("logger")
+        logger = runs.logger_entry(config)
         version = runs.version_of(config.ckpt_path, save_dir, name)
-        if self.subcommand == "fit" and version and hasattr(logger, "get") and logger.get("init_args") is not None \
-                and logger.init_args.get("version") is None:
+        if self.subcommand == "fit" and version and logger is not None and logger.init_args.get("version") is None:
             # Resuming a run's own checkpoint continues that run's folder: its curves, its best-model tracking.
             logger.init_args.version = version
             rank_zero_info(f"Resuming {save_dir}/{name}/{version} from {config.ckpt_path}")
+
+    def _normalisation(self, config) -> tuple[list[float], list[float]]:
+        """The normalisation a run's data gets when the config sets none: the resumed checkpoint's, the
+        init_from run's, else the one the backbone's weights were trained with."""
+        model = config.model
+        source = self._checkpoint or (_read_checkpoint(model.init_from, "--model.init_from")
+                                      if self.subcommand == "fit" and model.get("init_from") else None)
+        hparams = source.get("hyper_parameters", {}) if source is not None else {}
+        if hparams.get("mean") and hparams.get("std"):
+            return list(hparams["mean"]), list(hparams["std"])
+        if source is not None:  # a checkpoint from before backbones: the tutorial's network and normalisation
+            wanted = backbones.preprocessing(hparams.get("backbone", backbones.TUTORIAL_ALEXNET), None)
+        else:
+            wanted = backbones.preprocessing(model.get("backbone", backbones.TUTORIAL_ALEXNET), model.get("weights"))
+            if wanted.image_size and wanted.image_size != config.data.get("image_size"):
+                rank_zero_info(f"--model.weights={model.weights} were trained at {wanted.image_size} px; this run "
+                               f"trains at --data.image_size={config.data.get('image_size')}.")
+        return list(wanted.mean), list(wanted.std)
 
     def after_instantiate_classes(self) -> None:
         config = _command(self.config)
@@ -126,8 +151,8 @@ class FlowersCLI(LightningCLI):
     def _refuse_occupied_run_folder(self, config) -> None:
         # An explicit logger version or checkpoint.dirpath can name an existing run's folder; the logger
         # would add its event file there as soon as the trainer starts, so check before that.
-        logger = config.trainer.get("logger")
-        version = logger.get("init_args", {}).get("version") if hasattr(logger, "get") else None
+        logger = runs.logger_entry(config)
+        version = logger.init_args.get("version") if logger is not None else None
         dirpath = config.checkpoint.get("dirpath")
         if version is None and not dirpath:
             return
@@ -185,18 +210,42 @@ def _newest_last_checkpoint(config) -> Path:
     return newest
 
 
-def _read_checkpoint(path: str) -> dict:
+def _warn_overridden_model_flags(command, defaults, saved: dict) -> None:
+    # LightningCLI replaces the command's model.* with the checkpoint's hyperparameters on resume: say which of
+    # the settings the command changed are dropped, instead of resuming silently with the saved ones.
+    if command is None or defaults is None:
+        return
+    ignored = {"num_classes", "class_names", "mean", "std", "_instantiator", *RUNTIME_MODEL_KEYS}
+    keys = [key for key in saved if key not in ignored]
+    given, default, kept = (_leaves({key: source.get(key) for key in keys}) for source in (command, defaults, saved))
+    overridden = [f"--model.{key}={value!r} (the checkpoint's: {kept.get(key)!r})" for key, value in given.items()
+                  if value != default.get(key) and value != kept.get(key)]
+    if overridden:
+        rank_zero_warn("Resuming from a checkpoint keeps the model it was trained with, so these settings of the "
+                       "command are not used: " + "; ".join(overridden) + ". Start a new run with "
+                       "--model.init_from CHECKPOINT to train its weights with other settings.", category=UserWarning)
+
+
+def _leaves(settings, prefix: str = "") -> dict:
+    """``{"optimizer.init_args.lr": 0.1, …}``: nested settings (dicts or Namespaces) by dotted name."""
+    settings = settings.as_dict() if hasattr(settings, "as_dict") else settings
+    if not isinstance(settings, dict):
+        return {prefix[:-1]: settings}
+    return {key: value for name, inner in settings.items() for key, value in _leaves(inner, f"{prefix}{name}.").items()}
+
+
+def _read_checkpoint(path: str, flag: str = "--ckpt_path") -> dict:
     if not Path(path).is_file():
         raise ConfigError(
-            f"--ckpt_path {path!r} does not exist. Checkpoints are under {runs.LOG_DIR}/{runs.NAME}/version_N/"
+            f"{flag} {path!r} does not exist. Checkpoints are under {runs.LOG_DIR}/{runs.NAME}/version_N/"
             f"{runs.CHECKPOINTS}/ (best-*.ckpt and last.ckpt)."
         )
     try:
         # mmap: a 170 MB last.ckpt costs page-ins of the few tensors read, not a copy.
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated or foreign file would surface as a deep torch.load traceback
-        raise ConfigError(f"--ckpt_path {path!r} cannot be read as a flowers checkpoint ({error}).") from None
-    check_resumable(checkpoint, path, None)
+        raise ConfigError(f"{flag} {path!r} cannot be read as a flowers checkpoint ({error}).") from None
+    check_resumable(checkpoint, path, None, flag)
     return checkpoint
 
 
@@ -220,7 +269,8 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
                 "init_args": {"save_dir": runs.LOG_DIR, "name": runs.NAME, "default_hp_metric": False},
             },
             "callbacks": [runs.SameVersionOnEveryRank(), LearningRateMonitor(logging_interval="epoch"),
-                          ClassIndicesWriter(), TensorBoardPictures(), RNGStateCheckpoint()],
+                          ClassIndicesWriter(), TensorBoardPictures(), RNGStateCheckpoint(),
+                          LearningRateFinderReport()],  # prints and plots --trainer.callbacks+=LearningRateFinder
         },
     )
 

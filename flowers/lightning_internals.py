@@ -19,3 +19,8 @@ def logged_step(trainer: L.Trainer) -> int:
     """The step Lightning's logger connector gives the scalars logged now (``val/acc`` at validation's end),
     so images logged beside them line up on TensorBoard's step axis."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def subcommand_defaults(cli, subcommand: str):
+    """The defaults of a LightningCLI subcommand's parser (its config files included), as a Namespace."""
+    return cli._parser(subcommand).get_defaults()

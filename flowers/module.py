@@ -5,19 +5,22 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import torch
+from filelock import FileLock
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from flowers import backbones
 from flowers.checkpointing import epoch_progress
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 from flowers.errors import ConfigError
-from flowers.model import AlexNet
 from flowers.strategies import DataParallelStrategy
 
 TUTORIAL_LR = 2e-4  # the tutorial's Adam learning rate for single-device training
@@ -85,8 +88,21 @@ class FlowerClassifier(L.LightningModule):
     """Args:
         num_classes, class_names: filled from the data by the CLI; stored in the checkpoint so
             ``FlowerClassifier.load_from_checkpoint(path)`` needs no arguments.
+        backbone: the network: ``tutorial_alexnet`` (the tutorial's half-width AlexNet) or a torchvision
+            classification model by name (``resnet18``, ``mobilenet_v3_large``, ``vit_b_16`` …), its classifier
+            head sized for the data's classes.
+        weights: what the network starts from when a fit starts: None (a random initialisation), a torchvision
+            weights name of the backbone (``DEFAULT``, ``IMAGENET1K_V1``; downloaded into torchvision's cache
+            where the network allows) or a state_dict file. A head of another class count starts fresh.
+            Never read on resume, predict or export: the checkpoint holds the network.
+        init_from: another run's checkpoint whose network this run starts from (not its optimizer or epoch);
+            a head of another class count starts fresh. Wins over ``weights``.
+        freeze_backbone_epochs: train only the classifier head for this many epochs, then everything.
+        head_lr: the classifier head's learning rate; unset, the optimizer's own for every layer.
+        mean, std: the per-channel normalisation of the inputs; filled from the data by the CLI (the weights'
+            own, or the tutorial's 0.5) and stored so predict and export normalise alike.
         label_smoothing: of the cross-entropy loss (0 = the tutorial's plain loss).
-        dropout: of the two dropout layers in the classifier (the tutorial's 0.5).
+        dropout: of the two dropout layers in tutorial_alexnet's classifier (the tutorial's 0.5).
         optimizer: a callable ``params -> Optimizer``, set in YAML with ``class_path``/``init_args``;
             unset means the tutorial's recipe, Adam with lr 2e-4.
         scheduler: a callable ``optimizer -> LRScheduler``; unset means a constant learning rate.
@@ -127,13 +143,24 @@ class FlowerClassifier(L.LightningModule):
         fused_optimizer: bool = False,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         eval_hflip: bool = False,
+        backbone: str = backbones.TUTORIAL_ALEXNET,
+        weights: str | None = None,
+        init_from: str | None = None,
+        freeze_backbone_epochs: int = 0,
+        head_lr: float | None = None,
+        mean: list[float] | None = None,
+        std: list[float] | None = None,
     ) -> None:
         super().__init__()
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"{len(class_names)} class names given for {num_classes} classes")
+        mean, std = (list(map(float, v)) if v else None for v in (mean, std))  # plain lists in hparams.yaml
         self.save_hyperparameters()
         self.class_names = list(class_names) if class_names else [str(i) for i in range(num_classes)]
-        self.net = AlexNet(num_classes, dropout=dropout)
+        if freeze_backbone_epochs < 0:
+            raise ConfigError(f"model.freeze_backbone_epochs must be 0 or more, got {freeze_backbone_epochs}.")
+        self.net = backbones.build(backbone, num_classes, dropout=dropout)
+        self._restored = False  # set when a checkpoint restores the network: weights and init_from are then unread
         self.channels_last = channels_last
         if channels_last:
             self.net.to(memory_format=torch.channels_last)
@@ -176,7 +203,8 @@ class FlowerClassifier(L.LightningModule):
 
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The per-channel (mean, std) the network's inputs are normalised with."""
-        return TUTORIAL_MEAN, TUTORIAL_STD
+        mean, std = self.hparams.get("mean"), self.hparams.get("std")
+        return (tuple(mean), tuple(std)) if mean and std else (TUTORIAL_MEAN, TUTORIAL_STD)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
@@ -228,6 +256,8 @@ class FlowerClassifier(L.LightningModule):
             )
 
     def on_fit_start(self) -> None:
+        if not self._restored:
+            self._load_initial_weights()
         # Record how the run is spread: under dp one process splits each batch across its GPUs; under
         # ddp every process loads its own batch, so a step sees batch_size x world_size images.
         trainer = self.trainer
@@ -239,6 +269,38 @@ class FlowerClassifier(L.LightningModule):
         scale["lr_scale"] = self.lr_scale()
         for logger in trainer.loggers:
             logger.log_hyperparams(scale)
+
+    def _load_initial_weights(self) -> None:
+        # Here rather than in __init__: a resumed, predicting or exporting model never reads (or downloads) them.
+        # Every ddp rank loads the same file, so the replicas stay equal.
+        hparams = self.hparams
+        if hparams.get("init_from"):
+            checkpoint = torch.load(hparams.init_from, map_location="cpu", weights_only=True, mmap=True)
+            source = checkpoint.get("hyper_parameters", {}).get("backbone", backbones.TUTORIAL_ALEXNET)
+            if source != hparams.backbone:
+                raise ConfigError(f"--model.init_from {hparams.init_from} holds a {source} network, not the "
+                                  f"--model.backbone={hparams.backbone} of this run. Set the backbone to {source}.")
+            state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+            backbones.load_matching(self.net, state, what=f"--model.init_from {hparams.init_from}",
+                                    backbone=hparams.backbone)
+        elif hparams.get("weights"):
+            cache = Path(torch.hub.get_dir())
+            cache.mkdir(parents=True, exist_ok=True)
+            with FileLock(cache / "flowers-weights.lock"):  # the processes of a machine download once
+                backbones.load_weights(self.net, hparams.backbone, hparams.weights)
+
+    def on_train_epoch_start(self) -> None:
+        frozen = self.current_epoch < self.hparams.get("freeze_backbone_epochs", 0)
+        if frozen or self.current_epoch == self.hparams.get("freeze_backbone_epochs", 0):
+            rank_zero_info(f"Epoch {self.current_epoch}: " + ("training the classifier head only" if frozen
+                                                              else "training the whole network"))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Freezing by dropping the body's gradients before the step, not by requires_grad: under ddp the reducer
+        # keeps the parameters it was built with, and the optimizer then skips them whole (no momentum, no decay).
+        if self.current_epoch < self.hparams.get("freeze_backbone_epochs", 0):
+            for parameter in backbones.head_parameters(self.net)[0]:
+                parameter.grad = None
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")[0]
@@ -258,6 +320,9 @@ class FlowerClassifier(L.LightningModule):
 
     def _optimizer(self) -> torch.optim.Optimizer:
         params = list(self.parameters())
+        if self.hparams.get("head_lr") is not None:
+            body, head = backbones.head_parameters(self.net)
+            params = [{"params": body}, {"params": head, "lr": self.hparams.head_lr}]
         factory = self.optimizer_factory or (lambda params: torch.optim.Adam(params, lr=TUTORIAL_LR))
         optimizer = factory(params)
         if self.fused_optimizer and "fused" in optimizer.defaults and not optimizer.defaults["fused"]:
@@ -286,6 +351,7 @@ class FlowerClassifier(L.LightningModule):
         return [("loss", self.train_loss), *self.train_metrics.items()]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._restored = True
         saved = checkpoint.get("train_epoch_metrics", {})
         if saved and self.global_rank == 0:  # rank 0 adds the ranks' sums; the others start from zero
             for name, metric in self._train_epoch_metrics():
@@ -314,3 +380,27 @@ class FlowerClassifier(L.LightningModule):
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             config["monitor"] = "val/loss"
         return {"optimizer": optimizer, "lr_scheduler": config}
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate of the optimizer's first parameter group; None before the trainer has built it.
+        Lightning's ``LearningRateFinder`` looks for this attribute, and sets its suggestion through it."""
+        try:
+            optimizers = self.trainer.optimizers
+        except RuntimeError:  # not attached to a trainer
+            return None
+        return optimizers[0].param_groups[0]["lr"] if optimizers else None
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        # The optimizer is built by then: scale its rates and the schedulers' base rates alike, so a warm-up or a
+        # decay runs from the new rate (Lightning then sets the groups' current rate itself).
+        current = self.lr
+        if not current:
+            return
+        for optimizer in self.trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= value / current
+        for config in self.trainer.lr_scheduler_configs:
+            if hasattr(config.scheduler, "base_lrs"):
+                config.scheduler.base_lrs = [rate * value / current for rate in config.scheduler.base_lrs]

@@ -36,10 +36,20 @@ BEST_FILENAME = "best-epoch={epoch:02d}-val_acc={val/acc:.4f}"
 CLASS_INDICES = "class_indices.json"
 
 
+def logger_entry(config):
+    """The entry of a parsed config's ``trainer.logger`` (one logger or a list) that names the run folder: the
+    TensorBoard logger's, else the first with settings; None when there is none."""
+    logger = config.trainer.get("logger")
+    entries = [e for e in (logger if isinstance(logger, list) else [logger])
+               if hasattr(e, "get") and e.get("init_args") is not None]
+    tensorboard = [e for e in entries if "TensorBoard" in str(e.get("class_path", ""))]
+    return (tensorboard or entries or [None])[0]
+
+
 def run_root(config) -> tuple[str, str]:
     """``(save_dir, name)`` of the TensorBoard logger a parsed config asks for (``runs``, ``flowers`` by default)."""
-    logger = config.trainer.get("logger")
-    init = logger.get("init_args") if hasattr(logger, "get") else None
+    entry = logger_entry(config)
+    init = entry.get("init_args") if entry is not None else None
     if init is None:
         return LOG_DIR, NAME
     return str(init.get("save_dir") or LOG_DIR), str(init.get("name") or NAME)

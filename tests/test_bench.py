@@ -156,7 +156,7 @@ def test_bench_ablations_run_c_with_the_named_settings_changed(bench, in_tmp, ti
 def test_bench_free_network_runs_every_variant_and_the_floor_without_the_alexnet(bench, in_tmp, tiny_synthetic,
                                                                                   capsys, monkeypatch):
     # --network free: the loops' ceilings. No AlexNet may be built anywhere, or a figure would include its work.
-    import flowers.module
+    import flowers.backbones
 
     def no_alexnet(*args, **kwargs):
         raise AssertionError("an AlexNet was built under --network free")
@@ -165,7 +165,7 @@ def test_bench_free_network_runs_every_variant_and_the_floor_without_the_alexnet
     argv = ["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "2", "--repeats", "1",
             "--variants", "a,b,c", "--network", "free", "--json", str(out)]
     monkeypatch.setattr(bench, "AlexNet", no_alexnet)
-    monkeypatch.setattr(flowers.module, "AlexNet", lambda num_classes, **kwargs: torch.nn.Linear(1, num_classes))
+    monkeypatch.setattr(flowers.backbones, "AlexNet", lambda num_classes, **kwargs: torch.nn.Linear(1, num_classes))
     assert bench.main(argv) == 0
     assert "--network free: every variant and the floor ran a network" in capsys.readouterr().out
     report = json.loads(out.read_text())

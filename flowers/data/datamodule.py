@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from torchvision.transforms.v2 import functional as F
 
@@ -30,7 +31,14 @@ from flowers.data.folders import (
 )
 from flowers.data.resizing import size_at_epoch
 from flowers.data.sampling import EpochSampler, ResumableLoader
-from flowers.data.transforms import AutoAugment, auto_augment_transform, eval_transform, train_transform
+from flowers.data.transforms import (
+    TUTORIAL_MEAN,
+    TUTORIAL_STD,
+    AutoAugment,
+    auto_augment_transform,
+    eval_transform,
+    train_transform,
+)
 from flowers.errors import ConfigError, DataError
 
 
@@ -86,6 +94,8 @@ class FlowerDataModule(L.LightningDataModule):
             graphs (``model.compile_mode=reduce-overhead``) then replay one graph instead of recording another.
         channels_last: build the cached batches in NHWC memory order, for a channels_last model (which
             would otherwise copy every float batch). The CLI links it from ``model.channels_last``.
+        mean, std: the per-channel normalisation. Unset: the one ``model.weights`` were trained with
+            (ImageNet's for torchvision's weights), else the tutorial's 0.5; the run's config.yaml records it.
     """
 
     def __init__(
@@ -122,6 +132,8 @@ class FlowerDataModule(L.LightningDataModule):
         pin_memory: bool | None = None,
         drop_last: bool = False,
         channels_last: bool = False,
+        mean: list[float] | None = None,
+        std: list[float] | None = None,
     ) -> None:
         super().__init__()
         if not 0 < val_split < 1:
@@ -136,6 +148,8 @@ class FlowerDataModule(L.LightningDataModule):
         self.split_seed = split_seed
         self.image_size = image_size
         self.eval_image_size = eval_image_size or image_size
+        # Unset: the CLI fills in the model weights' own normalisation, else the tutorial's 0.5.
+        self.mean, self.std = list(mean or TUTORIAL_MEAN), list(std or TUTORIAL_STD)
         self.crop_scale = crop_scale
         if not 0 <= resize_ramp[0] <= resize_ramp[1] <= 1:
             raise ConfigError(f"data.resize_ramp must be two fractions of the run, first <= second, got {resize_ramp}.")
@@ -169,6 +183,17 @@ class FlowerDataModule(L.LightningDataModule):
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    def class_counts(self) -> dict[str, dict[str, int]]:
+        """Images of each class in each split set up so far: ``{"train": {"daisy": 10, …}, "val": {…}}``."""
+        counts = {}
+        for split, dataset in (("train", self.train_set), ("val", self.val_set), ("test", self.test_set)):
+            if dataset is not None:
+                labels = dataset.labels if isinstance(dataset, CachedImages) else [s.label for s in dataset.samples]
+                counts[split] = {name: 0 for name in self.class_names}
+                for label in labels:
+                    counts[split][self.class_names[label]] += 1
+        return counts
 
     def _check_class_names(self, expected: list[str] | None) -> list[str]:
         if self.data_dir is None:
@@ -237,7 +262,7 @@ class FlowerDataModule(L.LightningDataModule):
                                             [s.label for s in val], as_index=as_index)
             else:
                 augment = train_transform(crop_size=self.image_size, crop_scale=self.crop_scale,
-                                          auto_augment=self.auto_augment)
+                                          auto_augment=self.auto_augment, mean=self.mean, std=self.std)
                 self.train_set = LabelledImages(train, augment)
                 self.val_set = LabelledImages(val, self._eval_transform())
         if stage == "test":
@@ -247,12 +272,16 @@ class FlowerDataModule(L.LightningDataModule):
                     "`validate` to score the validation split."
                 )
             self.test_set = LabelledImages(self._labelled(root / "test"), self._eval_transform())
+        rank_zero_info("Images per class: " + "; ".join(  # each split's balance, before any time is spent on it
+            f"{split}: " + ", ".join(f"{name} {n}" for name, n in per_class.items())
+            for split, per_class in self.class_counts().items()))
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         # Here, on the training device, cached batches become what the PIL transforms would have produced.
         if isinstance(batch, CachedTrainBatch):
             images = crop_flip_normalise(self._squares(batch.squares_or_indices), batch.boxes, batch.flip,
-                                         crop_size=self.train_image_size(), channels_last=self.channels_last,
+                                         crop_size=self.train_image_size(), mean=self.mean, std=self.std,
+                                         channels_last=self.channels_last,
                                          augment=self._tensor_augment, dtype=self._batch_dtype(images_on=batch.boxes))
             return self._augment_batch(images, batch.labels)
         if isinstance(batch, CachedBatch):
@@ -261,7 +290,8 @@ class FlowerDataModule(L.LightningDataModule):
                 raise RuntimeError("A cached training batch came without its crop boxes: the training DataLoader "
                                    "lost its collate_fn, flowers.data.batch_augment.WithTrainViews.")
             images = eval_batch(self._squares(batch.squares_or_indices), crop_size=self.eval_image_size,
-                                channels_last=self.channels_last, dtype=self._batch_dtype(images_on=batch.labels))
+                                mean=self.mean, std=self.std, channels_last=self.channels_last,
+                                dtype=self._batch_dtype(images_on=batch.labels))
             return images, batch.labels
         if self.trainer is not None and self.trainer.training:  # a training batch of the PIL path
             images, labels = batch
@@ -310,7 +340,7 @@ class FlowerDataModule(L.LightningDataModule):
         return upload_in_chunks(cache.pixels, device)
 
     def _eval_transform(self):
-        return eval_transform(crop_size=self.eval_image_size)
+        return eval_transform(crop_size=self.eval_image_size, mean=self.mean, std=self.std)
 
     def _cache_side(self, paths: list[str]) -> int:
         # One cache serves both: large enough that neither the train crops nor the eval squash upsample.
