@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 CONFIG ?= configs/quickstart.yaml
 
-.PHONY: help install train data test test-slow test-all lint bench tta tensorboard clean
+.PHONY: help install browser train data test test-slow test-all lint bench tta tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -17,6 +17,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install flowers with its dev tools
+
+browser:  ## Debian's chromium and chromedriver for the page's browser test (apt, as root or with sudo -n)
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then echo "chromium and chromedriver are installed"; \
+	elif ! command -v apt-get >/dev/null; then echo "no apt-get: install chromium and chromedriver yourself, or the browser test skips"; \
+	else sudo=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y --no-install-recommends chromium chromium-driver \
+	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends chromium chromium-driver; } \
+	  || echo "could not install chromium with apt: the browser test will skip"; fi
 
 train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minutes)
 	$(BIN)/flowers fit --config $(CONFIG)

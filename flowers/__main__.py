@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "predict": "classify images with a checkpoint into predictions.csv",
     "export": "write a checkpoint's network as a state_dict, ONNX or TorchScript file",
     "download": "fetch the flower photos (about 220 MB) into data/flower_photos, once",
+    "serve": "serve a checkpoint or an export over HTTP, with a page to try it",
 }
 
 
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from flowers.data.download import main as download
 
         return download(words[1:])
+    if words[0] == "serve":
+        from flowers.serve import main as serve
+
+        return serve(words[1:])
     from flowers.cli import main as cli
 
     # None lets LightningCLI read sys.argv itself; given args beside a command line, it warns on every run.

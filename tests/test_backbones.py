@@ -39,13 +39,23 @@ def no_downloads(monkeypatch):
     monkeypatch.setattr("urllib.request.urlopen", refuse)
 
 
-@pytest.fixture(scope="module")
+_RUNS: dict[str, Path] = {}
+
+
+def trained(backbone: str, tmp_path_factory, data: Path) -> Path:
+    """The run folder of a tiny fit of ``backbone``, trained once per test session."""
+    if backbone not in _RUNS:
+        root = tmp_path_factory.mktemp(backbone)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(root)
+            cli = cli_main(["fit", *FIT, f"--data.data_dir={data}", f"--model.backbone={backbone}"])
+        _RUNS[backbone] = root / cli.trainer.log_dir
+    return _RUNS[backbone]
+
+
+@pytest.fixture
 def resnet_run(tmp_path_factory, tiny_synthetic) -> Path:
-    root = tmp_path_factory.mktemp("resnet")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(root)
-        cli = cli_main(["fit", *FIT, f"--data.data_dir={tiny_synthetic}", "--model.backbone=resnet18"])
-    return root / cli.trainer.log_dir
+    return trained("resnet18", tmp_path_factory, tiny_synthetic)
 
 
 @pytest.mark.parametrize("name, head", [("tutorial_alexnet", "classifier.6"), ("resnet18", "fc"),
@@ -122,10 +132,12 @@ def test_named_weights_that_cannot_be_downloaded_get_one_clear_error(in_tmp, tin
                   "--model.weights=DEFAULT"])
 
 
-def test_another_backbone_trains_predicts_exports_and_is_analysed(resnet_run, tiny_synthetic, tmp_path):
-    ckpt = resnet_run / "checkpoints" / "last.ckpt"
+@pytest.mark.parametrize("backbone", ["resnet18", pytest.param("mobilenet_v3_small", marks=pytest.mark.slow)])
+def test_another_backbone_trains_predicts_exports_and_is_analysed(backbone, tiny_synthetic, tmp_path,
+                                                                   tmp_path_factory):
+    ckpt = trained(backbone, tmp_path_factory, tiny_synthetic) / "checkpoints" / "last.ckpt"
     model, class_names, hparams = load(ckpt)
-    assert hparams["backbone"] == "resnet18" and model.normalization()[0] == (0.485, 0.456, 0.406)
+    assert hparams["backbone"] == backbone and model.normalization()[0] == (0.485, 0.456, 0.406)
     result = evaluate(model, datamodule_for(ckpt, model))
     assert 0 <= result.accuracy <= 1
     image = next(tiny_synthetic.rglob("*.png"), None) or next(tiny_synthetic.rglob("*.jpg"))
@@ -133,12 +145,13 @@ def test_another_backbone_trains_predicts_exports_and_is_analysed(resnet_run, ti
     assert row["prediction"] in class_names
 
     names = {fmt: export(ckpt, fmt, tmp_path, image_size=64).name for fmt in ("state_dict", "torchscript", "onnx")}
-    assert names == {"state_dict": "resnet18.pth", "torchscript": "resnet18.torchscript.pt", "onnx": "resnet18.onnx"}
-    plain = models.resnet18(num_classes=len(class_names)).eval()
-    plain.load_state_dict(torch.load(tmp_path / "resnet18.pth", weights_only=True))
+    assert names == {"state_dict": f"{backbone}.pth", "torchscript": f"{backbone}.torchscript.pt",
+                     "onnx": f"{backbone}.onnx"}
+    plain = models.get_model(backbone, num_classes=len(class_names)).eval()
+    plain.load_state_dict(torch.load(tmp_path / f"{backbone}.pth", weights_only=True))
     x = torch.randn(2, 3, 64, 64)
-    torch.testing.assert_close(torch.jit.load(str(tmp_path / "resnet18.torchscript.pt"))(x), plain(x))
-    session = onnxruntime.InferenceSession(str(tmp_path / "resnet18.onnx"))
+    torch.testing.assert_close(torch.jit.load(str(tmp_path / f"{backbone}.torchscript.pt"))(x), plain(x))
+    session = onnxruntime.InferenceSession(str(tmp_path / f"{backbone}.onnx"))
     (logits,) = session.run(None, {"images": x.numpy()})
     torch.testing.assert_close(torch.from_numpy(logits), plain(x), atol=1e-4, rtol=1e-4)
 

@@ -16,6 +16,7 @@ from flowers.__main__ import SUBCOMMANDS
 from flowers.cli import cli_main
 from flowers.data.download import parser as download_parser
 from flowers.export import parser as export_parser
+from flowers.serve import parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -63,6 +64,8 @@ def parse_error(words: list[str]) -> str | None:
                 _script(words[0]).parse_args([str(ROOT) if w == "$DATA" else w for w in words[1:]])  # a folder
             elif words and words[0] == "export":
                 export_parser().parse_args(words[1:])
+            elif words and words[0] == "serve":
+                serve_parser().parse_args(words[1:])
             elif words and words[0] == "download":
                 download_parser().parse_args(words[1:])
             elif words[:1] in (["--help"], ["-h"]) or (len(words) > 1 and words[1] in ("--help", "-h")):

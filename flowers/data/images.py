@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from collections.abc import Iterator
@@ -24,31 +25,44 @@ def open_image(path: str) -> Iterator[Image.Image]:
     """
     if not os.path.isfile(path):
         raise OSError(f"not a regular file: {path}")
+    with _open_refusing_bombs(path) as image:
+        yield image
+
+
+def _open_refusing_bombs(source: str | io.BytesIO) -> Image.Image:
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            image = Image.open(path)
+            return Image.open(source)
         except Image.DecompressionBombWarning as warning:
             raise Image.DecompressionBombError(f"decompression bomb refused: {warning}") from None
-    with image:
-        yield image
 
 
 def load_rgb(path: str) -> Image.Image:
     """Open any image as RGB: grayscale, 16-bit, palette, RGBA and CMYK are converted, EXIF rotation applied."""
     with open_image(path) as image:
-        try:
-            image = ImageOps.exif_transpose(image)
-        except Exception:  # a malformed EXIF block must not cost the photo: use it unrotated
-            pass
-        image = _to_8bit(image)
-        if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-            # Composite transparent pixels on white instead of the black that .convert gives.
-            image = image.convert("RGBA")
-            background = Image.new("RGB", image.size, (255, 255, 255))
-            background.paste(image, mask=image.getchannel("A"))
-            return background
-        return image.convert("RGB")
+        return _rgb(image)
+
+
+def load_rgb_bytes(data: bytes) -> Image.Image:
+    """``load_rgb`` for an image held in memory (an upload): the same refusals and the same RGB pixels."""
+    with _open_refusing_bombs(io.BytesIO(data)) as image:
+        return _rgb(image)
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    try:
+        image = ImageOps.exif_transpose(image)
+    except Exception:  # a malformed EXIF block must not cost the photo: use it unrotated
+        pass
+    image = _to_8bit(image)
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        # Composite transparent pixels on white instead of the black that .convert gives.
+        image = image.convert("RGBA")
+        background = Image.new("RGB", image.size, (255, 255, 255))
+        background.paste(image, mask=image.getchannel("A"))
+        return background
+    return image.convert("RGB")
 
 
 def _to_8bit(image: Image.Image) -> Image.Image:

@@ -1,0 +1,255 @@
+"""``python benchmarks/serve_load.py``: latency and throughput of ``flowers serve`` under concurrent clients.
+
+With ``--ckpt_path``, it starts one server per batch window (``--windows 0,5``, in ms) on free ports of 127.0.0.1,
+waits for each to load its model, and stops them all at the end; with ``--url``, it measures a server already
+running. Each of ``--clients`` threads keeps one HTTP connection open and sends its share of ``--requests`` JPEGs,
+one after the other, each as soon as the previous answer came: a fixed amount of work, every request with a
+timeout, so a run ends by itself. ``--warmup`` requests first go unmeasured.
+
+Reported per window: p50 and p99 latency, requests per second (all requests over the wall time from the first sent
+to the last answered), errors (any answer but 200, or no answer), and the batch sizes the server reported in each
+answer's ``X-Batch-Size``. With ``--repeats`` above 1, the windows run in alternating order (0 5, 5 0, …) and the
+table gives medians with min–max.
+
+The photos are ``--images`` (a folder, searched recursively for .jpg/.jpeg/.png) or, by default, 8 synthetic flowers
+drawn at ``--image-side`` px and saved as JPEG, as a phone would send a downscaled photo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--ckpt_path", help="serve this checkpoint or export, once per window")
+    target.add_argument("--url", help="measure a running server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--windows", default="0,5", help="batch windows in ms, comma-separated (with --ckpt_path)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="the servers' --max_batch_size")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, one connection each")
+    p.add_argument("--requests", type=int, default=400, help="measured requests per run, over all clients")
+    p.add_argument("--warmup", type=int, default=16, help="unmeasured requests before each run")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--images", type=Path, help="a folder of photos to send (default: synthetic flowers)")
+    p.add_argument("--image-side", type=int, default=240, help="side of the synthetic flowers, in px")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    return p
+
+
+def photos(folder: Path | None, side: int) -> list[bytes]:
+    if folder:
+        files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".jpg", ".jpeg", ".png"))[:64]
+        if not files:
+            raise SystemExit(f"no .jpg/.jpeg/.png under {folder}")
+        return [f.read_bytes() for f in files]
+    from flowers.data.synthetic import draw_flower
+
+    rng = np.random.default_rng(0)
+    encoded = []
+    for i in range(8):
+        buffer = io.BytesIO()
+        draw_flower(i % 5, rng, size=side).save(buffer, "JPEG", quality=90)
+        encoded.append(buffer.getvalue())
+    return encoded
+
+
+def cpu() -> dict:
+    """The CPU's model name and the vector/matrix extensions that decide CPU inference speed."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"model": "unknown", "flags": [], "cores": os.cpu_count()}
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return {"model": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
+
+
+class Server:
+    """``python -m flowers serve`` on a free port of 127.0.0.1, in its own process group."""
+
+    def __init__(self, ckpt_path: str, window_ms: float, max_batch_size: int) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="serve-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "flowers", "serve", "--ckpt_path", ckpt_path, "--port", str(self.port),
+                   "--batch_window_ms", str(window_ms), "--max_batch_size", str(max_batch_size)]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"flowers serve exited with {self.process.returncode}: see {self.log.name}")
+            try:
+                if get(self.url, "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"flowers serve was not ready within {timeout} s: see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def get(url: str, path: str) -> tuple[int, bytes]:
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def load(url: str, images: list[bytes], requests: int, clients: int, timeout: float) -> dict:
+    """``requests`` POSTs from ``clients`` threads, each on its own keep-alive connection."""
+    parts = urllib.parse.urlsplit(url)
+    shares = [requests // clients + (i < requests % clients) for i in range(clients)]
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    errors: list[list[str]] = [[] for _ in range(clients)]
+    sizes: list[Counter] = [Counter() for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
+
+    def client(index: int) -> None:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        start.wait()
+        for n in range(shares[index]):
+            body = images[(index + n * clients) % len(images)]
+            sent = time.perf_counter()
+            try:
+                connection.request("POST", "/predict", body, {"Content-Type": "image/jpeg"})
+                response = connection.getresponse()
+                answer = response.read()
+            except OSError as failure:
+                errors[index].append(f"{type(failure).__name__}: {failure}")
+                connection.close()
+                connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+                continue
+            latencies[index].append(time.perf_counter() - sent)
+            if response.status != 200:
+                errors[index].append(f"HTTP {response.status}: {answer[:200]!r}")
+            sizes[index][int(response.getheader("X-Batch-Size", "0"))] += 1
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - began
+    every = sorted(x for per_client in latencies for x in per_client)
+    failures = [e for per_client in errors for e in per_client]
+    return {
+        "clients": clients, "requests": requests, "errors": len(failures), "first_errors": failures[:3],
+        "p50_ms": 1000 * _quantile(every, 0.50), "p99_ms": 1000 * _quantile(every, 0.99),
+        "requests_per_s": requests / wall, "wall_s": wall,
+        "batch_sizes": {str(k): v for k, v in sorted(sum(sizes, Counter()).items())},
+    }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return float(np.quantile(values, q)) if values else float("nan")
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    median = statistics.median(values)
+    if len(values) == 1:
+        return f"{median:.{digits}f}"
+    return f"{median:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def table(runs: list[dict]) -> str:
+    lines = ["| batch window | clients | requests | p50 latency (ms) | p99 latency (ms) | requests/s | errors "
+             "| answers by batch size |", "|---|---|---|---|---|---|---|---|"]
+    for window in dict.fromkeys(run["window_ms"] for run in runs):
+        mine = [run for run in runs if run["window_ms"] == window]
+        sizes = sum((Counter({int(k): v for k, v in run["batch_sizes"].items()}) for run in mine), Counter())
+        total = sum(sizes.values()) or 1
+        shares = ", ".join(f"{size}: {100 * count / total:.0f} %" for size, count in sorted(sizes.items()))
+        lines.append(f"| {window:g} ms | {mine[0]['clients']} | {mine[0]['requests']} × {len(mine)} "
+                     f"| {spread([r['p50_ms'] for r in mine])} | {spread([r['p99_ms'] for r in mine])} "
+                     f"| {spread([r['requests_per_s'] for r in mine], 0)} | {sum(r['errors'] for r in mine)} "
+                     f"| {shares} |")
+    return "\n".join(lines)
+
+
+def main(args: list[str] | None = None) -> int:
+    options = parser().parse_args(args)
+    images = photos(options.images, options.image_side)
+    servers: dict[float, Server] = {}
+    try:
+        if options.url:
+            info = json.loads(get(options.url, "/info")[1])
+            urls = {float(info.get("batch_window_ms", float("nan"))): options.url.rstrip("/")}
+        else:
+            windows = [float(w) for w in options.windows.split(",")]
+            servers = {w: Server(options.ckpt_path, w, options.max_batch_size) for w in windows}
+            for server in servers.values():
+                server.wait_ready()
+            urls = {w: server.url for w, server in servers.items()}
+        runs = []
+        for repeat in range(options.repeats):
+            order = list(urls) if repeat % 2 == 0 else list(reversed(urls))
+            for window in order:
+                if options.warmup:
+                    load(urls[window], images, options.warmup, min(options.clients, options.warmup), options.timeout)
+                run = load(urls[window], images, options.requests, options.clients, options.timeout)
+                runs.append({"window_ms": window, "repeat": repeat, **run})
+                print(f"window {window:g} ms, repeat {repeat + 1}: p50 {run['p50_ms']:.1f} ms, p99 "
+                      f"{run['p99_ms']:.1f} ms, {run['requests_per_s']:.0f} requests/s, {run['errors']} errors "
+                      f"{run['first_errors'] or ''}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    runs.sort(key=lambda run: (run["window_ms"], run["repeat"]))
+    machine = cpu()
+    print(f"\n{machine['model']} ({', '.join(machine['flags']) or 'no avx2'}), {machine['cores']} cores; "
+          f"{len(images)} JPEGs of {sum(map(len, images)) // len(images) // 1000} kB on average\n")
+    print(table(runs))
+    if options.json:
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items()}
+        options.json.write_text(json.dumps({"config": config, "cpu": machine, "runs": runs}, indent=2) + "\n")
+    return 1 if any(run["errors"] for run in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

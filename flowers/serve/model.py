@@ -1,0 +1,301 @@
+"""What ``flowers serve`` serves: a checkpoint or an export, with the classes, image size, normalisation and
+mirror-image setting its answers depend on, and the forward pass that turns uploads into probabilities.
+
+``describe`` runs in the command's own process and refuses what cannot be served before anything starts;
+``Predictor`` runs in the inference worker. Neither needs LitServe.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+from torchvision import transforms as T
+
+from flowers.data.images import DECODE_ERRORS, load_rgb_bytes
+from flowers.data.transforms import eval_transform
+from flowers.errors import ConfigError
+from flowers.runs import (
+    CLASS_INDICES,
+    CONFIG,
+    LOG_DIR,
+    NAME,
+    newest_best_checkpoint,
+    newest_last_checkpoint,
+    run_dir_of,
+)
+
+DEFAULT_BACKBONE = "tutorial_alexnet"
+# Suffixes, not file names: exports may be named after their backbone.
+FORMATS = {".ckpt": "checkpoint", ".torchscript.pt": "torchscript", ".onnx": "onnx"}
+KIND_NAMES = {"checkpoint": "a checkpoint", "torchscript": "a TorchScript export", "onnx": "an ONNX export"}
+NEWEST = ("best", "last")  # --ckpt_path best: the newest run's best checkpoint, as `fit --ckpt_path last` resumes
+# Module settings that shape neither the network's inputs nor its normalisation, or that would compile it.
+_TRAINING_ONLY = {"num_classes", "class_names", "optimizer", "scheduler", "compile", "compile_mode"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Everything the worker and ``/info`` need to know, as plain values (it crosses process boundaries)."""
+
+    path: str
+    format: str  # checkpoint, torchscript or onnx
+    classes: tuple[str, ...]
+    image_size: int
+    eval_hflip: bool
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    backbone: str
+    config: str | None  # the run's config.yaml the settings came from, if any
+
+    def info(self) -> dict:
+        described = asdict(self)
+        described["classes"] = list(self.classes)
+        described["checkpoint"] = described.pop("path")
+        described["normalization"] = {"mean": list(described.pop("mean")), "std": list(described.pop("std"))}
+        return described
+
+
+def format_of(path: Path) -> str | None:
+    return next((kind for suffix, kind in FORMATS.items() if path.name.endswith(suffix)), None)
+
+
+def find_model(path: str | Path) -> Path:
+    """The file to serve: ``path`` itself, or in an export folder its one ``.onnx`` (else ``.torchscript.pt``);
+    ``best`` and ``last`` are the newest run's best and last checkpoints under ``runs/``."""
+    path = Path(path)
+    if str(path) in NEWEST and not path.exists():
+        newest = newest_checkpoint(str(path))
+        if newest is None:
+            raise ConfigError(f"--ckpt_path {path}: no checkpoint under {LOG_DIR}/ here; train one with `make train`"
+                              " or pass a checkpoint's path.")
+        return newest
+    if not path.exists():
+        raise ConfigError(f"--ckpt_path {str(path)!r} does not exist.")
+    if path.is_file():
+        return path
+    for suffix in (".onnx", ".torchscript.pt"):
+        found = sorted(path.glob(f"*{suffix}"))
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise ConfigError(f"--ckpt_path {str(path)!r} holds {len(found)} {suffix} files "
+                              f"({', '.join(p.name for p in found)}): pass the one to serve.")
+    raise ConfigError(f"--ckpt_path {str(path)!r} is a folder with no .onnx or .torchscript.pt export in it: "
+                      "pass a checkpoint (.ckpt) or an export file.")
+
+
+def newest_checkpoint(which: str) -> Path | None:
+    """The newest run's ``best-*.ckpt`` (``which="best"``) or ``last.ckpt`` under ``runs/flowers/``."""
+    if which == "last":
+        return newest_last_checkpoint(LOG_DIR, NAME)
+    try:
+        return newest_best_checkpoint(Path(LOG_DIR, NAME))
+    except FileNotFoundError:
+        return None
+
+
+def run_config_near(path: Path, kind: str) -> Path | None:
+    """The run's ``config.yaml``: a checkpoint's run folder's, as ``predict`` reads it; for an export, the one
+    beside it, else that of the run whose ``checkpoints/export/`` holds it."""
+    if kind == "checkpoint":
+        candidates = [run_dir_of(path) / CONFIG]
+    else:
+        candidates = [path.parent / CONFIG, run_dir_of(path.parent) / CONFIG]
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
+
+
+def describe(path: str | Path, *, image_size: int | None = None, eval_hflip: bool | None = None) -> ModelSource:
+    """Loads the checkpoint or export once to check it, and says how to feed it. Raises ConfigError."""
+    path = find_model(path)
+    kind = format_of(path)
+    if kind is None:
+        hint = " A state_dict holds no network: serve its checkpoint, or export it to ONNX or TorchScript." \
+            if path.suffix == ".pth" else ""
+        raise ConfigError(f"--ckpt_path {str(path)!r} is none of {', '.join(FORMATS)}: flowers serve takes a "
+                          f"checkpoint written by `fit` or a file written by `flowers export`.{hint}")
+    config_path = run_config_near(path, kind)
+    try:
+        config = yaml.safe_load(config_path.read_text()) if config_path else {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"{config_path} (the run's config, read for its image size) is unreadable: {error}") \
+            from None
+    data = (config or {}).get("data") or {}
+    model_args = (config or {}).get("model") or {}
+    model_args = model_args.get("init_args", model_args) if isinstance(model_args, dict) else {}
+    size = image_size or data.get("eval_image_size") or data.get("image_size") or 224
+    try:
+        if kind == "checkpoint":
+            from flowers.analysis import load
+
+            model, classes, hparams = load(path)
+            if eval_hflip is None:
+                eval_hflip = bool(model.eval_hflip)
+            backbone = hparams.get("backbone", DEFAULT_BACKBONE)
+        else:
+            classes = _class_names_beside(path)
+            model = _module_for(model_args, classes)
+            eval_hflip = bool(model_args.get("eval_hflip", False)) if eval_hflip is None else eval_hflip
+            backbone = model_args.get("backbone") or DEFAULT_BACKBONE
+            if kind == "onnx":
+                size = _onnx_image_size(path, image_size) or size
+            else:
+                _load_torchscript(path, "cpu")
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as missing:
+        raise ConfigError(f"serving {path.name} needs {missing.name}: pip install {missing.name}.") from None
+    except Exception as error:  # torch.load, jit.load and onnxruntime raise many kinds for a file they can't read
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ConfigError(f"--ckpt_path {str(path)!r} could not be loaded as {KIND_NAMES[kind]} "
+                          f"({type(error).__name__}: {first_line}).") from None
+    mean, std = model.normalization()
+    return ModelSource(
+        path=str(path), format=kind, classes=tuple(classes), image_size=int(size), eval_hflip=bool(eval_hflip),
+        mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std), backbone=str(backbone),
+        config=str(config_path) if config_path else None,
+    )
+
+
+def _class_names_beside(path: Path) -> list[str]:
+    mapping_path = path.parent / CLASS_INDICES
+    if not mapping_path.is_file():
+        raise ConfigError(f"{mapping_path} is missing: `flowers export` writes it beside the export, and serve "
+                          "reads the class names from it.")
+    try:
+        mapping = json.loads(mapping_path.read_text())
+        return [mapping[str(i)] for i in range(len(mapping))]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"{mapping_path} is not a class mapping like {{\"0\": \"daisy\", …}}: {error}") from None
+
+
+def _module_for(model_args: dict, classes: list[str]):
+    """The run's module, untrained: an export keeps the network only, and the module knows its normalisation."""
+    from flowers.module import FlowerClassifier
+
+    accepted = inspect.signature(FlowerClassifier.__init__).parameters
+    settings = {k: v for k, v in model_args.items()
+                if k in accepted and k not in _TRAINING_ONLY and not isinstance(v, dict)}
+    return FlowerClassifier(num_classes=len(classes), class_names=list(classes), **settings)
+
+
+def _load_torchscript(path: Path, device: str) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        # torch says TorchScript is deprecated on every load; the user chose this export, and it still works.
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\..* is deprecated", category=FutureWarning)
+        return torch.jit.load(str(path), map_location=device)
+
+
+def _onnx_image_size(path: Path, asked: int | None) -> int | None:
+    import onnxruntime as ort
+
+    shape = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_inputs()[0].shape
+    side = shape[-1] if len(shape) == 4 and isinstance(shape[-1], int) else None
+    if side and asked and asked != side:
+        raise ConfigError(f"--image_size {asked} does not fit {path.name}: its input is fixed at {side} px.")
+    return side
+
+
+class BadImage(ValueError):
+    """An upload that is no image the server can classify; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def decode_upload(data: bytes, image_size: int) -> np.ndarray:
+    """An upload's pixels as ``image_size`` squares of uint8 RGB, as ``predict`` reads a file. Raises BadImage.
+
+    Runs where requests arrive; only the small square goes on to the model's process, which applies the rest
+    of the evaluation transform (the resize it starts with then finds nothing to do).
+    """
+    if not data:
+        raise BadImage(400, "the body is empty: send the image's bytes, or a multipart form with a field 'file'")
+    try:
+        image = load_rgb_bytes(data)
+        # eval_transform's first step; PIL's resize to an image's own size returns it unchanged.
+        square = T.Resize((image_size, image_size), antialias=True)(image)
+    except Image.DecompressionBombError as error:
+        raise BadImage(413, f"the image has too many pixels to decode ({_one_line(error)})") from None
+    except Image.UnidentifiedImageError:
+        raise BadImage(422, "the body is not an image in a format the server reads (JPEG, PNG, WebP, GIF, "
+                            "BMP, TIFF, ...)") from None
+    except DECODE_ERRORS as error:
+        raise BadImage(422, f"the image could not be decoded ({type(error).__name__}: {_one_line(error)})") \
+            from None
+    return np.asarray(square, dtype=np.uint8)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300]
+
+
+class Predictor:
+    """The forward pass: squares in, class probabilities out, with the mirror-image average when asked."""
+
+    def __init__(self, source: ModelSource, device: str = "cpu") -> None:
+        self.source = source
+        self.device = torch.device(device)
+        if source.format == "checkpoint":
+            from flowers.analysis import eval_transform_of, load
+
+            model, _, _ = load(source.path, map_location=str(self.device))
+            model.eval_hflip = source.eval_hflip
+            self.transform: Callable = eval_transform_of(model, source.image_size)
+            self._logits = model.eval_logits
+            return
+        self.transform = eval_transform(crop_size=source.image_size, mean=source.mean, std=source.std)
+        if source.format == "torchscript":
+            net = _load_torchscript(Path(source.path), str(self.device)).eval()
+            self._logits = self._mirrored(net) if source.eval_hflip else net
+        else:
+            self._logits = self._mirrored(self._onnx()) if source.eval_hflip else self._onnx()
+
+    def _onnx(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        import onnxruntime as ort
+
+        providers = ["CPUExecutionProvider"]
+        if self.device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()  # as many as torch may use here
+        session = ort.InferenceSession(self.source.path, options, providers=providers)
+        input_name = session.get_inputs()[0].name
+
+        def run(images: torch.Tensor) -> torch.Tensor:
+            (logits, *_) = session.run(None, {input_name: images.cpu().numpy()})
+            return torch.from_numpy(logits)
+
+        return run
+
+    @staticmethod
+    def _mirrored(net: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def logits(images: torch.Tensor) -> torch.Tensor:
+            # As FlowerClassifier.eval_logits: both views in one forward, then the mean of their logits.
+            both = net(torch.cat([images, images.flip(-1)]))
+            return (both[: len(images)] + both[len(images):]) / 2
+
+        return logits
+
+    def tensor(self, square: np.ndarray) -> torch.Tensor:
+        return self.transform(Image.fromarray(square, "RGB"))
+
+    @torch.inference_mode()
+    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        """``[N, classes]`` on the CPU, exactly as ``flowers.analysis.predict`` computes them."""
+        return self._logits(images.to(self.device)).float().softmax(dim=1).cpu()
+
+    def top(self, probs: torch.Tensor, k: int) -> dict:
+        values, order = probs.topk(min(k, len(self.source.classes)))
+        ranked = [{"class": self.source.classes[i], "probability": v}
+                  for v, i in zip(values.tolist(), order.tolist(), strict=True)]
+        return {"prediction": ranked[0]["class"], "top": ranked}
