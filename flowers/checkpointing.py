@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from flowers import backbones, runs
+from flowers import runs
 from flowers.errors import CheckpointWriteError, ConfigError
 from flowers.files import atomic_write
 
@@ -146,6 +146,8 @@ class RNGStateCheckpoint(L.Callback):
 
 def check_resumable(checkpoint: dict[str, Any], path: str, num_classes: int | None, flag: str = "--ckpt_path") -> None:
     """Refuse, in one sentence, a checkpoint that ``FlowerClassifier`` would reject with a shape dump."""
+    from flowers import backbones  # here: backbones imports flowers.data, whose data module imports this module
+
     state = checkpoint.get("state_dict")
     hparams = checkpoint.get("hyper_parameters") or {}
     backbone = hparams.get("backbone", backbones.TUTORIAL_ALEXNET) if isinstance(hparams, dict) else None

@@ -23,7 +23,7 @@ def tta():
 
 def test_tta_times_each_recipe_and_the_loop_per_seed(tta, tiny_synthetic, tmp_path, capsys):
     out = tmp_path / "tta.json"
-    assert tta.main(["--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml", "--seeds", "0,1",
+    assert tta.main(["--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml", "--seeds", "3",
                      "--loop-epochs", "2", "--targets", "0.0,1.01", "--fit-args", TINY_FIT,
                      "--loop-args", "--image-size 64 --batch-size 4 --num-workers 0", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -33,7 +33,7 @@ def test_tta_times_each_recipe_and_the_loop_per_seed(tta, tiny_synthetic, tmp_pa
     report = json.loads(out.read_text())
     assert report["config"]["train_images"] + report["config"]["val_images"] == 60  # the split, as folders of links
     for name, runs in report["recipes"].items():
-        assert [run["seed"] for run in runs] == [0, 1], name
+        assert [run["seed"] for run in runs] == [3], name  # one seed: each is a whole process
         for run in runs:
             assert [e["epoch"] for e in run["epochs"]] == [1, 2], name
             times = [e["time_s"] for e in run["epochs"]]
@@ -58,3 +58,14 @@ def test_an_ablation_is_the_first_recipe_with_settings_changed(tta, tiny_synthet
     assert len(runs["configs/quickstart.yaml"][0]["epochs"]) == 2  # TINY_FIT's 2 epochs
     assert len(runs["configs/quickstart.yaml with trainer.max_epochs=1"][0]["epochs"]) == 1  # the change wins
     assert "with trainer.max_epochs=1" in capsys.readouterr().out
+
+
+def test_the_table_gives_medians_with_min_and_max_over_the_seeds(tta):
+    def run(seed, acc, reached_at):
+        epochs = [{"epoch": 1, "val_acc": 0.5, "time_s": 5.0}, {"epoch": 2, "val_acc": acc, "time_s": reached_at}]
+        return {"seed": seed, "epochs": epochs, "total_s": reached_at + 1}
+
+    report = {"config": {"targets": [0.7], "seeds": [0, 1, 2], "train_images": 9, "val_images": 3}, "warm_up_s": {},
+              "recipes": {"r": [run(0, 0.71, 10.0), run(1, 0.75, 12.0), run(2, 0.69, 30.0)]}}
+    row = next(line for line in tta.table(report).splitlines() if line.startswith("r "))
+    assert "0.710 (0.690–0.750)" in row and "11.0 s (10.0–12.0) [2/3]" in row and "13.0 s (11.0–31.0)" in row
