@@ -213,3 +213,24 @@ def test_validate_without_a_logger_twice_keeps_both_configs(in_tmp, tiny_synthet
         cli_main(["validate", *run, "--trainer.logger=false", "--ckpt_path=last"])
     assert sorted(p.name for p in in_tmp.glob("config*.yaml")) == [
         "config-validate-1.yaml", "config-validate-2.yaml", "config.yaml"]
+
+
+def test_threads_opening_images_at_once_all_refuse_the_bomb(tmp_path):
+    # The image check runs in threads: each must refuse a warning-level bomb, whatever the others are doing.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flowers.data.images import open_image
+
+    bomb = str(bomb_png(tmp_path / "bomb.png", 20_000, 5_000))
+    (plain,) = make_tree(tmp_path / "ok", {"a": 1}, size=16).glob("a/*")
+
+    def refused(path: str) -> bool:
+        try:
+            with open_image(path):
+                return False
+        except Image.DecompressionBombError:
+            return True
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(refused, [bomb, str(plain)] * 200))
+    assert results == [True, False] * 200

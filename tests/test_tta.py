@@ -28,7 +28,7 @@ def test_tta_times_each_recipe_and_the_loop_per_seed(tta, tiny_synthetic, tmp_pa
                      "--loop-args", "--image-size 64 --batch-size 4 --num-workers 0", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "tutorial loop (2 epochs)" in printed and "configs/quickstart.yaml" in printed
-    assert "[0/2]" in printed  # nobody reaches 1.01: said, not hidden
+    assert "[0/1]" in printed  # nobody reaches 1.01: said, not hidden
     assert "warm-up of configs/quickstart.yaml" in printed
     report = json.loads(out.read_text())
     assert report["config"]["train_images"] + report["config"]["val_images"] == 60  # the split, as folders of links

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from PIL import Image, ImageOps
 
 # What PIL raises for broken, truncated, foreign or oversized files (DecompressionBombError is none of the others).
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+_OPENING = threading.Lock()  # held while the header is read, not while pixels are decoded
 
 
 @contextmanager
@@ -30,7 +32,9 @@ def open_image(path: str) -> Iterator[Image.Image]:
 
 
 def _open_refusing_bombs(source: str | io.BytesIO) -> Image.Image:
-    with warnings.catch_warnings():
+    # The warnings filter is one for the whole process: threads opening images at once (the image check, the
+    # server's uploads) would restore each other's filters mid-open and let a bomb through as a mere warning.
+    with _OPENING, warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             return Image.open(source)
