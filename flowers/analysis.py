@@ -59,10 +59,13 @@ def load(ckpt: str | Path, map_location: str = "cpu") -> tuple[FlowerClassifier,
 
 
 def datamodule_for(ckpt: str | Path, model: FlowerClassifier, **overrides) -> FlowerDataModule:
-    """The run's data (its ``config.yaml`` settings: folder, split, image size), for the model's classes."""
+    """The run's data (its ``config.yaml`` settings: folder, split, image size), for the model's classes and
+    normalisation."""
     data = run_config(ckpt).get("data", {})
     settings = {k: data[k] for k in DATA_KEYS if data.get(k) is not None}
-    settings.update(num_workers=0, **overrides)  # in-process loading: a notebook gains little from workers
+    mean, std = model.normalization()  # the model's own, whatever the config file says
+    # num_workers=0: in-process loading, as a notebook gains little from workers.
+    settings.update({"num_workers": 0, "mean": list(mean), "std": list(std), **overrides})
     return FlowerDataModule(class_names=model.class_names, **settings)
 
 
