@@ -112,12 +112,6 @@ def preprocessing(backbone: str, weights: str | None) -> Preprocessing:
     return Preprocessing(tuple(preset.mean), tuple(preset.std), int(preset.crop_size[0]))
 
 
-def download(backbone: str, weights: str | None) -> None:
-    """Fetch named weights into torchvision's cache (``$TORCH_HOME/hub/checkpoints``) if they are not there."""
-    if is_named_weights(weights):
-        _read_named(backbone, weights)
-
-
 def _read_named(backbone: str, weights: str) -> dict[str, torch.Tensor]:
     enum = _weights_enum(backbone, weights)
     try:
@@ -143,13 +137,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(net: nn.Module, backbone: str, weights: str, *, source: str = "--model.weights") -> list[str]:
+def load_weights(net: nn.Module, backbone: str, weights: str) -> list[str]:
     """Copy ``weights`` (a torchvision weights name or a state_dict file) into ``net``.
 
     A head of another class count (an ImageNet head of 1000, another run's classes) is left as initialised.
     Returns the names of the head's tensors that were left; raises ConfigError when the file does not fit."""
     state = _read_named(backbone, weights) if is_named_weights(weights) else read_state_dict(weights)
-    return load_matching(net, state, what=f"{source} {weights}", backbone=backbone)
+    return load_matching(net, state, what=f"--model.weights {weights}", backbone=backbone)
 
 
 def load_matching(net: nn.Module, state: dict[str, torch.Tensor], *, what: str, backbone: str) -> list[str]:
