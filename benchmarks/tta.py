@@ -127,7 +127,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loop-epochs", type=int, default=10, help="epochs of the tutorial's loop (its recipe: 10)")
     parser.add_argument("--targets", default="0.70,0.80", help="accuracies to time, comma-separated")
     parser.add_argument("--no-loop", action="store_true", help="leave out the tutorial's loop")
-    parser.add_argument("--fit-args", default="", help="extra `flowers fit` arguments for every recipe")
+    parser.add_argument("--fit-args", default="", help="extra `flowers fit` arguments for every recipe (one flag "
+                        "alone needs the = form: --fit-args=--trainer.max_epochs=5)")
     parser.add_argument("--loop-args", default="", help="extra arguments for benchmarks/tutorial_loop.py")
     parser.add_argument("--ablate", action="append", default=[], metavar="SETTINGS",
                         help="add a recipe: the first one with these `fit` settings changed, space-separated, e.g. "
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.time()
             run_fit(recipe, data_dir, 0, Path(tmp) / f"warm-up-{len(warm_up_s)}", [
                 *fit_extra, *changes, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
-                "--trainer.limit_val_batches=1"])
+                "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=1"])  # validates its one epoch
             warm_up_s[name] = time.time() - started
         recipes: dict[str, list[dict]] = {name: [] for name in ([] if args.no_loop else [LOOP]) + list(names)}
         for seed in args.seeds:

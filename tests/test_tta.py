@@ -47,6 +47,24 @@ def test_a_folder_with_train_and_val_is_used_as_it_is(tta, tmp_path):
     assert tta.split_folder(tmp_path, tmp_path / "elsewhere") == tmp_path
 
 
+def test_the_warm_up_validates_its_one_epoch_whatever_the_fit_args_say(tta, tmp_path, monkeypatch):
+    for split in ("train", "val"):
+        (tmp_path / split / "a").mkdir(parents=True)
+    calls = []
+
+    def fake_fit(recipe, data_dir, seed, runs_dir, extra):
+        calls.append(extra)
+        return {"epochs": [{"epoch": 1, "val_acc": 0.5, "time_s": 1.0}], "total_s": 2.0}
+
+    monkeypatch.setattr(tta, "run_fit", fake_fit)
+    assert tta.main(["--data-dir", str(tmp_path), "--recipe", "configs/best.yaml", "--seeds", "0", "--no-loop",
+                     "--fit-args=--trainer.check_val_every_n_epoch=5"]) == 0
+    warm_up, timed = calls
+    # Later flags win: a warm-up that never validated would leave no val/acc to read.
+    assert warm_up.index("--trainer.check_val_every_n_epoch=1") > warm_up.index("--trainer.check_val_every_n_epoch=5")
+    assert timed == ["--trainer.check_val_every_n_epoch=5"]
+
+
 @pytest.mark.slow
 def test_an_ablation_is_the_first_recipe_with_settings_changed(tta, tiny_synthetic, tmp_path, capsys):
     out = tmp_path / "tta.json"
