@@ -13,6 +13,13 @@ table gives medians with min–max.
 
 The photos are ``--images`` (a folder, searched recursively for .jpg/.jpeg/.png) or, by default, 8 synthetic flowers
 drawn at ``--image-side`` px and saved as JPEG, as a phone would send a downscaled photo.
+
+``--decode`` starts no server: it decodes the largest images an upload may be as the HTTP process does, each in a
+fresh process, and reports the estimate the decode budget counts, the peak memory, what stays after and the time.
+``--draft-check FOLDER --ckpt_path CKPT`` scores each JPEG of the folder decoded whole (as ``predict`` reads it) and
+decoded reduced (as the server reads a large JPEG), and reports how often the top class and by how much the
+probabilities change; ``--upscale N`` first enlarges each photo N times, as a phone photo is larger than the model's
+side by far.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--ckpt_path", help="serve this checkpoint or export, once per window")
     target.add_argument("--url", help="measure a running server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--decode", action="store_true", help="measure the decode of the largest uploads (no server)")
+    target.add_argument("--decode-one", nargs=2, metavar=("IMAGE", "SIDE"), help=argparse.SUPPRESS)
     p.add_argument("--windows", default="0,5", help="batch windows in ms, comma-separated (with --ckpt_path)")
     p.add_argument("--max-batch-size", type=int, default=16, help="the servers' --max_batch_size")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients, one connection each")
@@ -53,6 +62,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--image-side", type=int, default=240, help="side of the synthetic flowers, in px")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--side", type=int, default=224, help="with --decode: the model's side the uploads are squashed to")
+    p.add_argument("--draft-check", type=Path, metavar="FOLDER",
+                   help="with --ckpt_path, start no server: compare predictions for the JPEGs in FOLDER decoded whole "
+                        "and reduced")
+    p.add_argument("--upscale", type=float, default=1.0, help="with --draft-check: enlarge each photo this many times")
     return p
 
 
@@ -212,8 +226,145 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def largest_uploads(folder: Path) -> dict[str, Path]:
+    """The images --decode measures, written into ``folder``: the largest of each kind under PIL's pixel limit."""
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    def png(width: int, height: int, depth: int, color: int, row: bytes) -> bytes:
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+        packer = zlib.compressobj(6)
+        data = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+        header = struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0)
+        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+
+    ramp = np.arange(9400)
+    files = {
+        "16-bit grayscale PNG, 9,400 x 9,400": png(9400, 9400, 16, 0, b"\x00" + (ramp * 7).astype(">u2").tobytes()),
+        "1-bit PNG, 9,400 x 9,400": png(9400, 9400, 1, 0, b"\x00" + b"\xaa" * 1175),
+        "RGB PNG, 9,400 x 9,400": png(9400, 9400, 8, 2, b"\x00" + np.repeat(ramp % 256, 3).astype(np.uint8).tobytes()),
+        "RGBA PNG, 7,400 x 7,400": png(7400, 7400, 8, 6, b"\x00" + np.repeat(ramp[:7400] % 256, 4).astype(np.uint8)
+                                       .tobytes()),
+        "RGBA PNG, 9,400 x 9,400": png(9400, 9400, 8, 6, b"\x00" + np.repeat(ramp % 256, 4).astype(np.uint8)
+                                       .tobytes()),
+    }
+    paths = {}
+    for name, data in files.items():
+        paths[name] = folder / f"{len(paths)}.png"
+        paths[name].write_bytes(data)
+    small = np.random.default_rng(5).integers(0, 256, (12, 16, 3), dtype=np.uint8)
+    photo = Image.fromarray(small).resize((8000, 6000), Image.Resampling.BICUBIC)
+    for name, options in (("JPEG, 8,000 x 6,000 (48 MP)", {}),
+                          ("progressive JPEG, 8,000 x 6,000, 4:2:0", {"progressive": True}),
+                          ("progressive JPEG, 8,000 x 6,000, 4:4:4", {"progressive": True, "subsampling": 0})):
+        paths[name] = folder / f"{len(paths)}.jpg"
+        photo.save(paths[name], quality=92, **options)
+    return paths
+
+
+def decode_one(path: str, side: int) -> dict:
+    """In this fresh process: decode ``path`` as the HTTP process does, in a thread, and measure it."""
+    from flowers.serve.uploads import BadImage, open_upload, return_large_frees, square_of
+
+    def status(field: str) -> float:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+        return int(line.split()[1]) / 1024
+
+    return_large_frees()  # as the server's HTTP process does
+    data = Path(path).read_bytes()
+    before = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from here
+    result: dict = {"bytes": len(data)}
+
+    def run() -> None:
+        try:
+            image, cost = open_upload(data, side)
+            result["estimate_mib"] = cost / 2**20
+            square_of(image, side)
+        except BadImage as refused:
+            result["refused"] = refused.status
+
+    began = time.perf_counter()
+    worker = threading.Thread(target=run)  # the server decodes in a thread of its pool
+    worker.start()
+    worker.join()
+    result.update(seconds=time.perf_counter() - began, peak_mib=status("VmHWM") - before,
+                  kept_mib=status("VmRSS") - before)
+    return result
+
+
+def decode_table(side: int, budget_mib: float = 512) -> str:
+    lines = ["| upload | file | estimate (MiB) | peak (MiB) | kept after (MiB) | seconds |",
+             "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for name, path in largest_uploads(Path(folder)).items():
+            out = subprocess.run([sys.executable, __file__, "--decode-one", str(path), str(side)],
+                                 capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            refused = " (over the default budget: 413)" if r["estimate_mib"] > budget_mib else ""
+            lines.append(f"| {name}{refused} | {r['bytes'] / 1e6:.2f} MB | {r['estimate_mib']:.0f} "
+                         f"| {r['peak_mib']:.0f} | {r['kept_mib']:.0f} | {r['seconds']:.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def draft_check(folder: Path, ckpt_path: str, upscale: float) -> str:
+    """Top class and probabilities of the JPEGs in ``folder``, decoded whole and reduced."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    from flowers.data.images import load_rgb_bytes
+    from flowers.serve.model import Predictor, describe
+    from flowers.serve.uploads import decode_upload
+
+    source = describe(ckpt_path)
+    predictor, side = Predictor(source), source.image_size
+    files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".jpg", ".jpeg"))
+    same, deltas, reduced = 0, [], 0
+    for file in files:
+        data = file.read_bytes()
+        if upscale != 1:
+            image = load_rgb_bytes(data)
+            buffer = io.BytesIO()
+            image.resize((round(image.width * upscale), round(image.height * upscale)),
+                         Image.Resampling.LANCZOS).save(buffer, "JPEG", quality=92)
+            data = buffer.getvalue()
+        whole = np.asarray(load_rgb_bytes(data).resize((side, side), Image.Resampling.BILINEAR))
+        draft = decode_upload(data, side)
+        reduced += not np.array_equal(whole, draft)
+        probs = predictor.probabilities(torch.stack([predictor.tensor(whole), predictor.tensor(draft)]))
+        same += int(probs[0].argmax() == probs[1].argmax())
+        deltas.append(float((probs[0] - probs[1]).abs().max()))
+    deltas.sort()
+    median, p99 = deltas[len(deltas) // 2], deltas[int(0.99 * (len(deltas) - 1))]
+    return (f"{len(files)} JPEGs (x {upscale:g}), {reduced} decoded reduced, {side} px model: the same top class for "
+            f"{same} ({100 * same / len(files):.1f} %); largest probability change: median {median:.4f}, "
+            f"99th percentile {p99:.4f}, max {deltas[-1]:.4f}")
+
+
 def main(args: list[str] | None = None) -> int:
     options = parser().parse_args(args)
+    if options.decode_one:
+        print(json.dumps(decode_one(options.decode_one[0], int(options.decode_one[1]))))
+        return 0
+    if options.decode or options.draft_check:
+        machine = cpu()
+        print(f"{machine['model']} ({', '.join(machine['flags']) or 'no avx2'}), {machine['cores']} cores")
+        if options.draft_check:
+            if not options.ckpt_path:
+                raise SystemExit("--draft-check needs --ckpt_path: the model to score the photos with")
+            print(draft_check(options.draft_check, options.ckpt_path, options.upscale))
+        if options.decode:
+            print(f"\nsquashed to {options.side} px\n")
+            decode_table(options.side)
+        return 0
     images = photos(options.images, options.image_side)
     servers: dict[float, Server] = {}
     try:

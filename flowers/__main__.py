@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     if not words or words[0] in ("-h", "--help"):
         overview().print_help(sys.stdout if words else sys.stderr)
         return 0 if words else 2
+    if words[0] not in SUBCOMMANDS and not words[0].startswith("-"):  # options before it are LightningCLI's
+        print(f"flowers: error: {words[0]!r} is not a subcommand: choose from {', '.join(SUBCOMMANDS)}. "
+              "`flowers --help` says what each does.", file=sys.stderr)
+        return 2
     if words[0] == "export":
         from flowers.export import main as export
 

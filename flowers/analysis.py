@@ -2,9 +2,9 @@
 
 The API behind ``notebooks/explore_checkpoints.ipynb``::
 
-    model, class_names, hparams = load(ckpt)
+    model, class_names, hparams = load(ckpt)                # ckpt: a path, "best" or "last"
     result = evaluate(model, datamodule_for(ckpt, model))   # accuracy, confusion matrix, per-class P/R
-    rows = predict(model, ["a.jpg", "b.png"], top_k=3, image_size=image_size_of(ckpt))
+    rows = predict(model, ["a.jpg", "b.png"], top_k=3)      # at the run's own size and normalisation
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from torchmetrics.classification import (
     MulticlassRecall,
 )
 
+from flowers import inference
+from flowers.checkpoint_reader import read
 from flowers.data import FlowerDataModule
 from flowers.data.datasets import UnlabelledImages
 from flowers.data.transforms import eval_transform
@@ -45,17 +47,18 @@ def run_config(ckpt: str | Path) -> dict:
     return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
-def image_size_of(ckpt: str | Path, default: int = 224) -> int:
-    """The side the run evaluated at: its ``data.eval_image_size``, else ``data.image_size``."""
-    data = run_config(ckpt).get("data", {})
-    return int(data.get("eval_image_size") or data.get("image_size") or default)
+def image_size_of(ckpt: str | Path) -> int:
+    """The side the run evaluated at, as the checkpoint records it (older ones: the run's config.yaml)."""
+    path = inference.resolve(ckpt, "checkpoint")
+    hparams = read(path, "checkpoint", model_class=FlowerClassifier).get("hyper_parameters") or {}
+    return inference.eval_image_size(hparams, path)
 
 
 def load(ckpt: str | Path, map_location: str = "cpu") -> tuple[FlowerClassifier, list[str], dict]:
-    """The model in eval mode, its class names and hyperparameters; never unpickles code (``weights_only``)."""
-    model = FlowerClassifier.load_from_checkpoint(ckpt, map_location=map_location, weights_only=True)
-    model.eval()
-    return model, list(model.class_names), dict(model.hparams)
+    """The model in eval mode, its class names and hyperparameters. The file is read as untrusted data: no
+    pickled code, no class its settings name beyond torch's optimizers and schedulers (flowers.inference)."""
+    ready = inference.load(ckpt, map_location=map_location, flag="checkpoint")
+    return ready.model, ready.classes, ready.hparams
 
 
 def datamodule_for(ckpt: str | Path, model: FlowerClassifier, **overrides) -> FlowerDataModule:
@@ -64,6 +67,8 @@ def datamodule_for(ckpt: str | Path, model: FlowerClassifier, **overrides) -> Fl
     data = run_config(ckpt).get("data", {})
     settings = {k: data[k] for k in DATA_KEYS if data.get(k) is not None}
     mean, std = model.normalization()  # the model's own, whatever the config file says
+    if model.hparams.get("eval_image_size"):
+        settings["eval_image_size"] = model.hparams.eval_image_size
     # num_workers=0: in-process loading, as a notebook gains little from workers.
     settings.update({"num_workers": 0, "mean": list(mean), "std": list(std), **overrides})
     return FlowerDataModule(class_names=model.class_names, **settings)
@@ -126,10 +131,12 @@ def eval_transform_of(model: FlowerClassifier, image_size: int) -> Callable:
 
 
 @torch.inference_mode()
-def predict(model: FlowerClassifier, paths: list[str | Path], *, top_k: int = 3, image_size: int = 224,
+def predict(model: FlowerClassifier, paths: list[str | Path], *, top_k: int = 3, image_size: int | None = None,
             batch_size: int = 32) -> list[dict]:
-    """One row per file, as ``predict --predictions.format json`` writes: path, prediction, probs, top_k, error."""
-    dataset = UnlabelledImages([str(p) for p in paths], eval_transform_of(model, image_size))
+    """One row per file, as ``predict --predictions.format json`` writes: path, prediction, probs, top_k, error.
+    ``image_size``: the side to evaluate at; unset, the model's own (``eval_image_size``), else 224."""
+    size = image_size or model.hparams.get("eval_image_size") or inference.DEFAULT_IMAGE_SIZE
+    dataset = UnlabelledImages([str(p) for p in paths], eval_transform_of(model, size))
     device = next(model.parameters()).device
     outputs = []
     for images, indices, errors in DataLoader(dataset, batch_size=batch_size, shuffle=False):

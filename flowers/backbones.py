@@ -18,6 +18,7 @@ from torchvision import models
 
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 from flowers.errors import ConfigError
+from flowers.files import special_kind
 from flowers.model import AlexNet
 
 TUTORIAL_ALEXNET = "tutorial_alexnet"  # not "alexnet": that name is torchvision's full-width model
@@ -126,8 +127,15 @@ def _read_named(backbone: str, weights: str) -> dict[str, torch.Tensor]:
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """A state_dict file (``torch.save(net.state_dict())``), or the network inside a flowers checkpoint."""
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise ConfigError(f"--model.weights {str(path)!r} does not exist: pass a state_dict file, a torchvision "
+                          "weights name of the backbone (DEFAULT), or --model.init_from another run's checkpoint.")
+    if kind := special_kind(file):  # a FIFO would block torch.load until something writes into it
+        raise ConfigError(f"--model.weights {str(path)!r} is {kind}, not a file: pass a state_dict file "
+                          "(torch.save(net.state_dict(), 'weights.pth')).")
     try:
-        state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # a foreign or truncated file surfaces as a deep unpickling error
         raise ConfigError(f"--model.weights {str(path)!r} cannot be read as a state_dict file ({error}).") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):  # a Lightning checkpoint
@@ -149,6 +157,24 @@ def load_weights(net: nn.Module, backbone: str, weights: str) -> list[str]:
 def load_matching(net: nn.Module, state: dict[str, torch.Tensor], *, what: str, backbone: str) -> list[str]:
     own = net.state_dict()
     head = head_name(net) + "."
+    kept_head = check_matching(net, state, what=what, backbone=backbone)
+    body = {k: v for k, v in state.items() if k not in kept_head}
+    with torch.no_grad():
+        for key, value in body.items():
+            own[key].copy_(value)
+    if kept_head:
+        shapes = f"{tuple(state[kept_head[0]].shape)} in the file, {tuple(own[kept_head[0]].shape)} here"
+        rank_zero_warn(f"{what}: the classifier head ({head[:-1]}: {shapes}) is for another number of classes; "
+                       "it starts from a fresh initialisation, the rest of the network from the weights.",
+                       category=UserWarning)
+    return kept_head
+
+
+def check_matching(net: nn.Module, state: dict[str, torch.Tensor], *, what: str, backbone: str) -> list[str]:
+    """Raise ConfigError unless ``state`` fits ``net`` but for a head of another class count; that head's tensor
+    names. Shapes only: nothing is copied, so a fit can check its weights before it makes its run folder."""
+    own = net.state_dict()
+    head = head_name(net) + "."
     kept_head = [k for k in own if k.startswith(head) and k in state and state[k].shape != own[k].shape]
     body = {k: v for k, v in state.items() if k not in kept_head}
     missing = [k for k in own if k not in body and k not in kept_head]
@@ -161,12 +187,4 @@ def load_matching(net: nn.Module, state: dict[str, torch.Tensor], *, what: str, 
             f"{len(unexpected)} unknown and {len(wrong)} of another shape (e.g. {sample}). Pass weights saved from "
             f"a {backbone}, or the backbone they were saved from."
         )
-    with torch.no_grad():
-        for key, value in body.items():
-            own[key].copy_(value)
-    if kept_head:
-        shapes = f"{tuple(state[kept_head[0]].shape)} in the file, {tuple(own[kept_head[0]].shape)} here"
-        rank_zero_warn(f"{what}: the classifier head ({head[:-1]}: {shapes}) is for another number of classes; "
-                       "it starts from a fresh initialisation, the rest of the network from the weights.",
-                       category=UserWarning)
     return kept_head

@@ -1,5 +1,5 @@
-"""Checkpoints that survive ``kill -9`` and resume bit for bit: which files are saved when, an atomic writer,
-the global RNG state, and a readable refusal of checkpoints that are not ours.
+"""Checkpoints that survive ``kill -9`` and resume bit for bit: which files are saved when, an atomic writer and
+the global RNG state.
 
 Lightning 2.6's ``TorchCheckpointIO`` writes through an fsspec transaction: the bytes go to a temporary
 file in the system temp folder (often another filesystem than ``runs/``) and ``shutil.move`` then *copies*
@@ -30,8 +30,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from flowers import runs
-from flowers.errors import CheckpointWriteError, ConfigError
-from flowers.files import atomic_write
+from flowers.errors import CheckpointWriteError
+from flowers.files import atomic_write, remove_stale_checkpoint_temporaries
 
 # ``--best_checkpoint.*``: the best epoch by val/acc. "val/acc" in the file name would make a sub-folder, so
 # the name is spelled out.
@@ -97,6 +97,8 @@ class LastCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._last_mid_epoch_save = time.monotonic()
+        if trainer.is_global_zero and self.dirpath and _is_local(self.dirpath):  # rank 0 writes the checkpoints
+            remove_stale_checkpoint_temporaries(Path(self.dirpath))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
@@ -142,24 +144,3 @@ class RNGStateCheckpoint(L.Callback):
                              numpy["has_gauss"], numpy["gauss"]))
         version, state, gauss = state_dict["python"]
         random.setstate((version, tuple(state), gauss))
-
-
-def check_resumable(checkpoint: dict[str, Any], path: str, num_classes: int | None, flag: str = "--ckpt_path") -> None:
-    """Refuse, in one sentence, a checkpoint that ``FlowerClassifier`` would reject with a shape dump."""
-    from flowers import backbones  # here: backbones imports flowers.data, whose data module imports this module
-
-    state = checkpoint.get("state_dict")
-    hparams = checkpoint.get("hyper_parameters") or {}
-    backbone = hparams.get("backbone", backbones.TUTORIAL_ALEXNET) if isinstance(hparams, dict) else None
-    head = f"net.{backbones.head_key(backbone)}" if backbone in backbones.names() else None
-    if not isinstance(state, dict) or head not in state:
-        raise ConfigError(
-            f"{flag} {path!r} is not a flowers checkpoint (it holds no FlowerClassifier weights). Use a "
-            "last.ckpt or best-*.ckpt from runs/flowers/version_N/checkpoints/."
-        )
-    classes = state[head].shape[0]
-    if num_classes is not None and classes != num_classes:
-        raise ConfigError(
-            f"{flag} {path!r} was trained for {classes} classes, but the data has {num_classes}. "
-            "Point --data.data_dir at data with the checkpoint's classes, or train from scratch without --ckpt_path."
-        )

@@ -1,19 +1,43 @@
-"""Checks of a parsed configuration that fail in one paragraph before any data is read or model built."""
+"""Checks of a parsed configuration that fail in one paragraph before any data is read, model built or file
+written: a refused command leaves nothing behind."""
 
 from __future__ import annotations
 
+import argparse
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from flowers.errors import ConfigError
-from flowers.files import is_writable
+from flowers.files import can_create, special_kind
 from flowers.model import MIN_IMAGE_SIZE
+
+# Trainer counts checked here, by name: Lightning takes some without a word and refuses others late or without
+# the flag's name. The lowest sensible value, what the setting counts and what to give instead.
+TRAINER_MINIMUMS = {
+    "max_epochs": (-1, "epochs to train", "1 or more, or -1 to train until --trainer.max_steps or max_time"),
+    "min_epochs": (0, "epochs to train at least", "0 or more"),
+    "max_steps": (-1, "optimizer steps to train", "1 or more, or -1 for no limit"),
+    "min_steps": (0, "optimizer steps to train at least", "0 or more"),
+    "accumulate_grad_batches": (1, "batches summed into one optimizer step", "1 or more"),
+    "log_every_n_steps": (0, "steps between logged values", "1 or more (0 logs none)"),
+    "check_val_every_n_epoch": (1, "epochs between validations", "1 or more, or null to validate by "
+                                "--trainer.val_check_interval only"),
+    "num_sanity_val_steps": (-1, "validation batches run before training", "0 or more, or -1 for all"),
+    "num_nodes": (1, "machines", "1 or more"),
+    "gradient_clip_val": (0, "the gradient size clipped to", "a number above 0, or 0 or null for no clipping"),
+}
 
 
 def check_devices(trainer) -> None:
-    """``--trainer.devices`` asks for no more GPUs than this machine has."""
+    """``--trainer.devices`` asks for at least one device, and no more GPUs than this machine has."""
     accelerator, devices = trainer.get("accelerator"), trainer.get("devices")
+    with_sign = str(devices).strip()
+    if with_sign.lstrip("-").isdigit() and (int(with_sign) == 0 or int(with_sign) < -1):
+        raise ConfigError(f"--trainer.devices={devices} is not a number of devices: use 1 or more, -1 for all of "
+                          "them, or auto.")
     if accelerator not in ("gpu", "cuda"):
         return  # on CPU, devices are processes: any number runs (slowly), as the ddp tests do
     wanted = device_count(devices)
@@ -48,10 +72,69 @@ def check_image_sizes(data) -> None:
             )
 
 
+def check_trainer(trainer, *, new_fit: bool, ddp_timeout: float | None = None) -> None:
+    """The trainer's counts are possible, and a new fit trains something: ``max_epochs=0`` would end at once with
+    an empty run folder. (A resume with ``max_epochs`` already reached is Lightning's to report, and does.)"""
+    if ddp_timeout is not None and not 0 < ddp_timeout < math.inf:
+        raise ConfigError(f"--ddp_timeout={ddp_timeout} is not a number of seconds to wait for the other ddp "
+                          "processes: use a number above 0 (the default is 600).")
+    for name, (lowest, counts, advice) in TRAINER_MINIMUMS.items():
+        value = trainer.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and not value >= lowest:
+            raise ConfigError(f"--trainer.{name}={value} is not a number of {counts}: use {advice}.")
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, int | float) and not isinstance(interval, bool) and not interval > 0:
+        raise ConfigError(f"--trainer.val_check_interval={interval} never validates: use a fraction of an epoch "
+                          "(0.25), a number of batches (100) or a time (00:00:10:00).")
+    if new_fit and trainer.get("max_epochs") == 0:
+        raise ConfigError("--trainer.max_epochs=0 trains nothing, so no run was started: use 1 or more (to resume "
+                          "a run, pass --ckpt_path).")
+
+
+def check_regular_file(path: str | Path, flag: str, wanted: str) -> None:
+    """``path`` is an existing regular file: a FIFO would block the reader forever, a folder fail deep in it."""
+    if not Path(path).exists():
+        raise ConfigError(f"{flag} {str(path)!r} does not exist: pass {wanted}.")
+    if kind := special_kind(path):
+        raise ConfigError(f"{flag} {str(path)!r} is {kind}, not a file: pass {wanted}.")
+
+
+def check_initial_weights(model, read_checkpoint: Callable[[str, str], dict]) -> None:
+    """What a new fit starts from (``--model.init_from``, a ``--model.weights`` file or name) is readable and fits
+    the network, checked before the run folder is made; the model loads it for real when the fit starts.
+    ``read_checkpoint(path, flag)`` is the CLI's checkpoint reader."""
+    from flowers import backbones  # here: backbones imports flowers.data, whose download module imports this one
+
+    hparams = model.hparams
+    if hparams.get("init_from"):
+        checkpoint = read_checkpoint(hparams.init_from, "--model.init_from")
+        source = (checkpoint.get("hyper_parameters") or {}).get("backbone", backbones.TUTORIAL_ALEXNET)
+        if source != hparams.backbone:
+            raise ConfigError(f"--model.init_from {hparams.init_from} holds a {source} network, not the "
+                              f"--model.backbone={hparams.backbone} of this run. Set the backbone to {source}.")
+        state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+        backbones.check_matching(model.net, state, what=f"--model.init_from {hparams.init_from}",
+                                 backbone=hparams.backbone)
+    elif hparams.get("weights"):
+        if backbones.is_named_weights(hparams.weights):
+            backbones.preprocessing(hparams.backbone, hparams.weights)  # a known name; downloaded when the fit starts
+        else:
+            backbones.check_matching(model.net, backbones.read_state_dict(hparams.weights),
+                                     what=f"--model.weights {hparams.weights}", backbone=hparams.backbone)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the house error: one paragraph, ``<prog>: error: …`` and where the options are listed;
+    the usage is for ``--help``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}. `{self.prog} --help` lists the options.\n")
+
+
 def check_writable(folders: list[Path]) -> None:
-    """The run's folders take files now, not after the data is read and a model is built."""
+    """The run's folders take files now, not after the data is read and a model is built; none is made here."""
     for folder in folders:
-        if not is_writable(folder):
+        if not can_create(folder):
             raise ConfigError(
                 f"The output folder {str(folder)!r} cannot be written. Fix its permissions, or write elsewhere "
                 "with --trainer.logger.init_args.save_dir (and --checkpoint.dirpath if set)."

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from argparse import ArgumentError
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
 import torch
+import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -16,25 +18,28 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from flowers import backbones, checks, lightning_internals, precision, restarts, runs
+from flowers import backbones, checks, inference, lightning_internals, precision, restarts, runs
 from flowers.callbacks import ClassIndicesWriter, LearningRateFinderReport, TensorBoardPictures
+from flowers.checkpoint_reader import check_resumable, read
 from flowers.checkpointing import (
     BEST_CHECKPOINT,
     LAST_CHECKPOINT,
     AtomicCheckpointIO,
     LastCheckpoint,
     RNGStateCheckpoint,
-    check_resumable,
 )
 from flowers.data import FlowerDataModule
 from flowers.errors import ConfigError, FlowersError, PeerError
 from flowers.module import FlowerClassifier
 from flowers.predictions import PredictionWriter
 
-LIGHTNING_CKPT_ALIASES = {"best", "hpc", "registry"}  # "last" means the newest run's last.ckpt, resolved here
+# Lightning's own names for checkpoints flowers cannot check before loading (a SLURM hpc_ckpt, a model registry's).
+REFUSED_CKPT_NAMES = ("hpc", "registry")
 DDP_TIMEOUT_S = 600.0
 # FlowerClassifier arguments that change how a model runs, not what it computes: on resume they follow the command.
 RUNTIME_MODEL_KEYS = ("channels_last", "compile", "compile_mode", "fused_optimizer")
+# How a checkpoint is evaluated: validate, test and predict take the checkpoint's unless the command sets them.
+EVALUATION_MODEL_KEYS = ("eval_hflip",)
 
 
 class FlowersCLI(LightningCLI):
@@ -62,10 +67,13 @@ class FlowersCLI(LightningCLI):
         # The normalisation is the data's to apply and the model's to remember (predict, export, serve).
         parser.link_arguments("data.mean", "model.mean", apply_on="instantiate")
         parser.link_arguments("data.std", "model.std", apply_on="instantiate")
+        # The side the run evaluates at travels in the checkpoint, so predict, serve and export use it untold.
+        parser.link_arguments("data.eval_image_size", "model.eval_image_size", apply_on="instantiate")
         parser.link_arguments("model.channels_last", "data.channels_last")
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
+        self._given = _given_settings(sys.argv[1:] if args is None else args)
         config = _command(self.config)
         self._checkpoint = None
         self._job = restarts.current_job() if self.config.get("subcommand") == "fit" else None
@@ -76,19 +84,28 @@ class FlowersCLI(LightningCLI):
             if own is not None:
                 config.ckpt_path, self._restarted = str(own), True
                 rank_zero_info(f"{self._job} started again: resuming its own run from {own}")
-        if config.get("ckpt_path") == "last":
-            config.ckpt_path = str(_newest_last_checkpoint(config))
+        if config.get("ckpt_path") in REFUSED_CKPT_NAMES:
+            raise ConfigError(f"--ckpt_path {config.ckpt_path}: flowers loads only checkpoints it can check first. "
+                              "Pass a checkpoint file, or best or last (the newest run's).")
+        if config.get("ckpt_path") in inference.ALIASES:
+            save_dir, name = runs.run_root(config)
+            config.ckpt_path = str(inference.resolve(config.ckpt_path, "--ckpt_path", save_dir=save_dir, name=name))
+            rank_zero_info(f"--ckpt_path: {config.ckpt_path}")
         self._resumed_step = 0
-        if config.get("ckpt_path") not in (None, *LIGHTNING_CKPT_ALIASES):
+        subcommand = self.config.get("subcommand")
+        if config.get("ckpt_path") is not None:
             self._checkpoint = _read_checkpoint(config.ckpt_path)
             self._resumed_step = int(self._checkpoint.get("global_step", 0))
-            if self.config.get("subcommand") == "fit":
+            if subcommand == "fit":
                 _warn_overridden_model_flags(config.get("model"), lightning_internals.subcommand_defaults(
                     self, "fit").get("model"), self._checkpoint.get("hyper_parameters", {}))
         # Lightning then replaces all of model.* with the checkpoint's. What the model is (classes, dropout,
         # loss, optimizer) stays the checkpoint's; how it runs is this command's, as precision and devices are.
         model = config.get("model")
         self._how_it_runs = {key: model.get(key) for key in RUNTIME_MODEL_KEYS} if model is not None else {}
+        if self._checkpoint is not None and subcommand != "fit":
+            self._how_it_runs.update(_evaluation_overrides_said(self._given, model,
+                                                                self._checkpoint.get("hyper_parameters") or {}))
 
     def before_instantiate_classes(self) -> None:
         config = _command(self.config)
@@ -106,14 +123,23 @@ class FlowersCLI(LightningCLI):
         if self.subcommand is not None:
             dirpath = config.get("checkpoint", {}).get("dirpath")
             checks.check_writable([Path(*runs.run_root(config))] + ([Path(dirpath)] if dirpath else []))
-        if "mean" in config.data and config.data.get("mean") is None:
+        if (config.data.get("mean") is None) != (config.data.get("std") is None):
+            raise ConfigError("--data.mean and --data.std go together: set both, or neither for the normalisation "
+                              "of the checkpoint or the backbone's weights.")
+        if config.data.get("mean") is None:
             config.data.mean, config.data.std = self._normalisation(config)
         if self._checkpoint is None:
             return
+        hparams = self._checkpoint.get("hyper_parameters") or {}
+        if hparams.get("mean") and [list(config.data.mean), list(config.data.std)] != [hparams["mean"], hparams["std"]]:
+            rank_zero_info(f"Normalising with --data.mean={list(config.data.mean)} --data.std={list(config.data.std)}"
+                           f" as the command says; the checkpoint's are {hparams['mean']} and {hparams['std']}.")
         if config.data.get("class_names") is None:
             # The checkpoint's classes: predict needs no training folder, and validate/test on data with other
             # classes fail with a clear message.
-            config.data.class_names = self._checkpoint.get("hyper_parameters", {}).get("class_names")
+            config.data.class_names = hparams.get("class_names")
+        if self.subcommand != "fit":
+            self._evaluate_at_the_checkpoints_size(config, hparams)
         save_dir, name = runs.run_root(config)
         logger = runs.logger_entry(config)
         version = runs.version_of(config.ckpt_path, save_dir, name)
@@ -121,6 +147,20 @@ class FlowersCLI(LightningCLI):
             # Resuming a run's own checkpoint continues that run's folder: its curves, its best-model tracking.
             logger.init_args.version = version
             rank_zero_info(f"Resuming {save_dir}/{name}/{version} from {config.ckpt_path}")
+
+    def _evaluate_at_the_checkpoints_size(self, config, hparams: dict) -> None:
+        # validate, test and predict evaluate at the side the run evaluated at, unless the command sets one.
+        saved = inference.eval_image_size(hparams, config.ckpt_path)
+        data = config.data
+        asked = next((data.get(key) for key in ("eval_image_size", "image_size") if f"data.{key}" in self._given
+                      and data.get(key) is not None), None)
+        if asked is None:
+            data.eval_image_size = saved
+            rank_zero_info(f"Evaluating at {saved} px, the side the checkpoint's run evaluated at.")
+        elif asked != saved:
+            data.eval_image_size = asked
+            rank_zero_info(f"Evaluating at {asked} px as the command says; the checkpoint's run evaluated at "
+                           f"{saved} px.")
 
     def _normalisation(self, config) -> tuple[list[float], list[float]]:
         """The normalisation a run's data gets when the config sets none: the resumed checkpoint's, the
@@ -145,6 +185,11 @@ class FlowersCLI(LightningCLI):
         if self._checkpoint is not None and self.datamodule is not None:
             check_resumable(self._checkpoint, config.ckpt_path, self.datamodule.num_classes)
         self._checkpoint = None  # the trainer loads it again; do not keep two copies around
+        # What the command reads is checked before the trainer makes the run folder: a typo leaves nothing behind.
+        if self.datamodule is not None and self.subcommand is not None:
+            self.datamodule.check_inputs(self.subcommand)
+        if self.subcommand == "fit" and config.get("ckpt_path") is None:
+            checks.check_initial_weights(self.model, _read_checkpoint)
         if self.subcommand == "fit":
             self._refuse_occupied_run_folder(config)
 
@@ -163,6 +208,8 @@ class FlowersCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         config = _command(self.config_init)
+        checks.check_trainer(config.trainer, new_fit=self.subcommand == "fit" and config.get("ckpt_path") is None,
+                             ddp_timeout=config.get("ddp_timeout"))
         if config.trainer.get("strategy") == "ddp":
             # Torch's default of 30 min would leave the survivors of a dead or hung rank waiting that long.
             kwargs["strategy"] = DDPStrategy(timeout=timedelta(seconds=config.get("ddp_timeout", DDP_TIMEOUT_S)))
@@ -172,8 +219,8 @@ class FlowersCLI(LightningCLI):
             plugins.append(AtomicCheckpointIO())  # a user's own CheckpointIO is kept as given
         try:
             return super().instantiate_trainer(**kwargs, plugins=plugins)
-        except MisconfigurationException as error:
-            raise ConfigError(f"The trainer settings do not fit this machine: {error}") from None
+        except MisconfigurationException as error:  # not only the machine: also settings that contradict
+            raise ConfigError(f"Lightning refused the --trainer settings: {error}") from None
 
     def before_fit(self) -> None:
         if self._job is not None:
@@ -197,33 +244,58 @@ def _command(config):
     return config[config.subcommand] if config.get("subcommand") else config
 
 
-def _newest_last_checkpoint(config) -> Path:
-    # Lightning's own "last" looks in this run's checkpoint folder, which for a new version_N is empty.
-    save_dir, name = runs.run_root(config)
-    newest = runs.newest_last_checkpoint(save_dir, name)
-    if newest is None:
-        raise ConfigError(
-            f"--ckpt_path last: no {save_dir}/{name}/version_*/checkpoints/last.ckpt to resume from (run in "
-            "the folder that holds runs/, or pass a checkpoint file). Start a new run without --ckpt_path."
-        )
-    rank_zero_info(f"--ckpt_path last: {newest}")
-    return newest
-
-
 def _warn_overridden_model_flags(command, defaults, saved: dict) -> None:
     # LightningCLI replaces the command's model.* with the checkpoint's hyperparameters on resume: say which of
     # the settings the command changed are dropped, instead of resuming silently with the saved ones.
     if command is None or defaults is None:
         return
-    ignored = {"num_classes", "class_names", "mean", "std", "_instantiator", *RUNTIME_MODEL_KEYS}
+    ignored = {"num_classes", "class_names", "mean", "std", "eval_image_size", "_instantiator", *RUNTIME_MODEL_KEYS}
     keys = [key for key in saved if key not in ignored]
     given, default, kept = (_leaves({key: source.get(key) for key in keys}) for source in (command, defaults, saved))
+    # A YAML list and the tuple the command line parses are one setting: (0.9, 0.999) is [0.9, 0.999].
+    given, default, kept = ({key: _plain(value) for key, value in values.items()} for values in (given, default, kept))
     overridden = [f"--model.{key}={value!r} (the checkpoint's: {kept.get(key)!r})" for key, value in given.items()
                   if value != default.get(key) and value != kept.get(key)]
     if overridden:
         rank_zero_warn("Resuming from a checkpoint keeps the model it was trained with, so these settings of the "
                        "command are not used: " + "; ".join(overridden) + ". Start a new run with "
                        "--model.init_from CHECKPOINT to train its weights with other settings.", category=UserWarning)
+
+
+def _given_settings(args: list[str]) -> set[str]:
+    """The dotted settings a command line names, itself or in its --config files: ``{"data.image_size", …}``.
+    What the user chose, as against a default that merely equals it."""
+    given, words = set(), iter(args)
+    for word in words:
+        if word in ("-c", "--config") or word.startswith("--config="):
+            path = word.partition("=")[2] if "=" in word else next(words, "")
+            try:
+                settings = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+            except (OSError, yaml.YAMLError):
+                settings = None  # the parser has already said what is wrong with it
+            given |= set(_leaves(settings)) if isinstance(settings, dict) else set()
+        elif word.startswith("--"):
+            given.add(word[2:].partition("=")[0])
+    # A class's settings may be written under init_args: model.init_args.eval_hflip is model.eval_hflip.
+    return given | {key.replace(".init_args.", ".", 1) for key in given}
+
+
+def _evaluation_overrides_said(given: set[str], command, saved: dict) -> dict:
+    """The evaluation settings a validate/test/predict command sets against the checkpoint's, said aloud."""
+    overrides = {key: command.get(key) for key in EVALUATION_MODEL_KEYS
+                 if f"model.{key}" in given and key in saved and command.get(key) != saved[key]}
+    for key, value in overrides.items():
+        rank_zero_info(f"--model.{key}={value} as the command says; the checkpoint's is {saved[key]}.")
+    return overrides
+
+
+def _plain(value):
+    """Tuples as lists, at any depth, so a setting compares equal however it was written."""
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 def _leaves(settings, prefix: str = "") -> dict:
@@ -235,50 +307,47 @@ def _leaves(settings, prefix: str = "") -> dict:
 
 
 def _read_checkpoint(path: str, flag: str = "--ckpt_path") -> dict:
-    if not Path(path).is_file():
-        raise ConfigError(
-            f"{flag} {path!r} does not exist. Checkpoints are under {runs.LOG_DIR}/{runs.NAME}/version_N/"
-            f"{runs.CHECKPOINTS}/ (best-*.ckpt and last.ckpt)."
-        )
-    try:
-        # mmap: a 170 MB last.ckpt costs page-ins of the few tensors read, not a copy.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # a truncated or foreign file would surface as a deep torch.load traceback
-        raise ConfigError(f"{flag} {path!r} cannot be read as a flowers checkpoint ({error}).") from None
-    check_resumable(checkpoint, path, None, flag)
-    return checkpoint
+    # Before Lightning parses the file's hyper_parameters: they are data, checked against the model's arguments.
+    return read(path, flag, model_class=FlowerClassifier)
 
 
 def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
-    return FlowersCLI(
-        FlowerClassifier,
-        FlowerDataModule,
-        args=args,
-        run=run,
-        seed_everything_default=42,
-        save_config_callback=runs.RunFolderConfig,
-        save_config_kwargs={"overwrite": False},
-        # No abbreviated options: a misspelled flag that is a prefix of a real one must be an error, not a guess.
-        parser_kwargs={"prog": "flowers", "allow_abbrev": False,
-                       **{subcommand: {"allow_abbrev": False} for subcommand in FlowersCLI.subcommands()}},
-        trainer_defaults={
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                # No placeholder hp_metric: TensorBoardPictures logs the hparams with the real val metrics at
-                # fit end, and TensorBoard keeps only the first hparams record of a run.
-                "init_args": {"save_dir": runs.LOG_DIR, "name": runs.NAME, "default_hp_metric": False},
+    try:
+        return FlowersCLI(
+            FlowerClassifier,
+            FlowerDataModule,
+            args=args,
+            run=run,
+            seed_everything_default=42,
+            save_config_callback=runs.RunFolderConfig,
+            save_config_kwargs={"overwrite": False},
+            # No abbreviated options: a misspelled flag that is a prefix of a real one must be an error, not a guess.
+            # exit_on_error=False: a parse error is raised, and printed alone below (the usage is for --help).
+            parser_kwargs={"prog": "flowers", "allow_abbrev": False, "exit_on_error": False,
+                           **{subcommand: {"allow_abbrev": False, "exit_on_error": False}
+                              for subcommand in FlowersCLI.subcommands()}},
+            trainer_defaults={
+                "logger": {
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                    # No placeholder hp_metric: TensorBoardPictures logs the hparams with the real val metrics at
+                    # fit end, and TensorBoard keeps only the first hparams record of a run.
+                    "init_args": {"save_dir": runs.LOG_DIR, "name": runs.NAME, "default_hp_metric": False},
+                },
+                "callbacks": [runs.SameVersionOnEveryRank(), LearningRateMonitor(logging_interval="epoch"),
+                              ClassIndicesWriter(), TensorBoardPictures(), RNGStateCheckpoint(),
+                              LearningRateFinderReport()],  # prints and plots --trainer.callbacks+=LearningRateFinder
             },
-            "callbacks": [runs.SameVersionOnEveryRank(), LearningRateMonitor(logging_interval="epoch"),
-                          ClassIndicesWriter(), TensorBoardPictures(), RNGStateCheckpoint(),
-                          LearningRateFinderReport()],  # prints and plots --trainer.callbacks+=LearningRateFinder
-        },
-    )
+        )
+    except ArgumentError as error:
+        # jsonargparse would print its whole usage first: the error alone, and where the settings are listed.
+        print(f"flowers: error: {_refusal(error, sys.argv[1:] if args is None else args)}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(args: list[str] | None = None) -> int:
     try:
         cli_main(args)
-    except FlowersError as error:
+    except (FlowersError, MisconfigurationException) as error:  # Lightning's refusal of a setting, too
         restarts.record_exit(str(error))
         print(f"flowers: error: {error}", file=sys.stderr)
         return 2
@@ -296,3 +365,11 @@ def main(args: list[str] | None = None) -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _refusal(error: ArgumentError, words: list[str]) -> str:
+    """A parse error (several lines from jsonargparse) as one paragraph that says where the settings are listed."""
+    subcommand = next((word for word in words[:1] if word in FlowersCLI.subcommands()), None)
+    listed = f"`flowers {subcommand} --help` lists every setting" if subcommand else \
+        "`flowers --help` lists the subcommands"
+    return f"{' '.join(str(error).split())}. {listed}."

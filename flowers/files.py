@@ -12,7 +12,10 @@ import logging
 import os
 import re
 import shutil
+import socket
+import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -20,6 +23,10 @@ from typing import BinaryIO
 from filelock import FileLock, Timeout
 
 log = logging.getLogger(__name__)
+
+# When this process started, near enough: a temporary file nobody has touched since is no live write of ours.
+STARTED = time.time()
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
 def is_writable(folder: Path) -> bool:
@@ -33,16 +40,50 @@ def is_writable(folder: Path) -> bool:
     return True
 
 
+def can_create(folder: Path) -> bool:
+    """Whether ``folder`` exists and takes files, or could be made and would: it is not made (a refused command
+    leaves nothing behind), the nearest folder that exists is tried instead."""
+    existing = Path(folder)
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return False  # a file (or a dangling link) where a folder must go
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError:
+        return False
+    return True
+
+
+def special_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (``"a folder"``, ``"a named pipe (FIFO)"`` …);
+    None for a regular file, a link to one, or nothing. Opening a FIFO would block until a writer comes."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through ``write(file)`` so that it holds the old bytes or all the new ones, never a part.
 
     Raises the first ``OSError`` of the write (full disk, quota, I/O error) even when ``write`` turned it into
-    another exception, so callers can read its ``errno`` and ``strerror``.
+    another exception, so callers can read its ``errno`` and ``strerror``. The temporary files a killed writer
+    of ``path`` left are removed first (``remove_stale_temporaries``).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Same folder: os.replace is then a rename within one filesystem, atomic on POSIX.
-    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    remove_stale_temporaries(target)
+    # Same folder: os.replace is then a rename within one filesystem, atomic on POSIX. The name says who writes.
+    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}@{_HOST}.",
+                                    suffix=".tmp")
     file = _ErrorRecordingFile(os.fdopen(handle, "wb"))
     try:
         with file:
@@ -59,6 +100,55 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             raise failure from None
         raise
     _fsync_folder(target.parent)
+
+
+def remove_stale_temporaries(target: Path) -> list[Path]:
+    """Remove the temporary files of ``target`` (``.<name>.*.tmp`` beside it) that no live process is writing:
+    those of a process of this machine that has ended (a ``kill -9`` mid-write), and those of another machine
+    (or of an older flowers) untouched since this process started. Another target's files are never touched;
+    under ddp only rank 0 writes checkpoints, so the writer of a run's temporaries is its rank 0. Returns them."""
+    return _remove_stale(target.parent, re.escape(target.name), what=str(target))
+
+
+def remove_stale_checkpoint_temporaries(folder: Path) -> list[Path]:
+    """``remove_stale_temporaries`` for every ``*.ckpt`` of a run's checkpoint folder: a best checkpoint's next
+    save has another name, so only the run's own start can find what a killed save of it left."""
+    return _remove_stale(folder, r"[^/]+\.ckpt", what=f"a checkpoint in {folder}")
+
+
+def _remove_stale(folder: Path, name: str, *, what: str) -> list[Path]:
+    pattern = re.compile(rf"\.{name}\.(?:(\d+)@([A-Za-z0-9_-]+)\.)?[a-z0-9_]+\.tmp")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if (found := pattern.fullmatch(entry.name)) and _is_stale(entry, found[1], found[2]):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    if removed:
+        log.info("Removed %d temporary file(s) that an interrupted write of %s left: %s", len(removed), what,
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def _is_stale(entry: os.DirEntry, pid: str | None, host: str | None) -> bool:
+    if pid is not None and host == _HOST:
+        return int(pid) != os.getpid() and not _is_alive(int(pid))
+    # Another machine's process, or a name without its writer: a live write would have touched it since.
+    return entry.stat(follow_symlinks=False).st_mtime < STARTED
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    # A killed process that its parent has not reaped yet still answers the signal: a zombie writes nothing.
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -17,43 +17,14 @@ from torch import nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from flowers import backbones
+from flowers import backbones, checkpoint_reader
 from flowers.checkpointing import epoch_progress
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 from flowers.errors import ConfigError
+from flowers.schedules import WarmupCosineLR
 from flowers.strategies import DataParallelStrategy
 
 TUTORIAL_LR = 2e-4  # the tutorial's Adam learning rate for single-device training
-
-
-class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
-    """Linear warm-up from ``start_factor × lr`` over ``warmup_fraction`` of the steps, then a cosine
-    down to ``final_factor × lr``.
-
-    torch's OneCycleLR and SequentialLR need the run's step count in the YAML; this one reads it from
-    the trainer (``total_steps`` unset: FlowerClassifier fills in ``trainer.estimated_stepping_batches``),
-    so max_epochs, batch size and data size can change freely. Step it every step
-    (``model.scheduler_interval: step``).
-    """
-
-    def __init__(self, optimizer, warmup_fraction: float = 0.05, start_factor: float = 0.1,
-                 final_factor: float = 0.0, total_steps: int | None = None, last_epoch: int = -1) -> None:
-        self.warmup_fraction = warmup_fraction
-        self.start_factor = start_factor
-        self.final_factor = final_factor
-        self.total_steps = total_steps
-        super().__init__(optimizer, last_epoch)
-
-    def factor(self, step: int) -> float:
-        total = max(1, self.total_steps or 1)
-        warmup = self.warmup_fraction * total
-        if step < warmup:
-            return self.start_factor + (1 - self.start_factor) * step / warmup
-        progress = min(1.0, (step - warmup) / max(1.0, total - warmup))
-        return self.final_factor + (1 - self.final_factor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    def get_lr(self) -> list[float]:
-        return [base * self.factor(self.last_epoch) for base in self.base_lrs]
 
 
 class BatchMean(Metric):
@@ -125,6 +96,9 @@ class FlowerClassifier(L.LightningModule):
             model evaluates (validate, test, predict, ``flowers.analysis``); the training crops are flipped
             half the time, so both views are in distribution. Saved with the model; an exported network
             is the plain one.
+        eval_image_size: the side the run evaluates at (``data.eval_image_size``, else ``data.image_size``);
+            filled from the data by the CLI and stored, so predict, validate, test, serve and export evaluate
+            a checkpoint at its own size without being told.
     """
 
     def __init__(
@@ -150,6 +124,7 @@ class FlowerClassifier(L.LightningModule):
         head_lr: float | None = None,
         mean: list[float] | None = None,
         std: list[float] | None = None,
+        eval_image_size: int | None = None,
     ) -> None:
         super().__init__()
         if class_names is not None and len(class_names) != num_classes:
@@ -200,6 +175,14 @@ class FlowerClassifier(L.LightningModule):
         memo[id(self)] = duplicate
         duplicate.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return duplicate
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
+        # Lightning rebuilds the model through jsonargparse, which builds any class_path it meets: the file's
+        # settings are checked as data first (flowers.checkpoint_reader), whatever weights_only says.
+        checkpoint_reader.read(checkpoint_path, "checkpoint_path", model_class=cls)
+        kwargs.setdefault("weights_only", True)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The per-channel (mean, std) the network's inputs are normalised with."""
@@ -275,7 +258,7 @@ class FlowerClassifier(L.LightningModule):
         # Every ddp rank loads the same file, so the replicas stay equal.
         hparams = self.hparams
         if hparams.get("init_from"):
-            checkpoint = torch.load(hparams.init_from, map_location="cpu", weights_only=True, mmap=True)
+            checkpoint = checkpoint_reader.read(hparams.init_from, "--model.init_from", model_class=type(self))
             source = checkpoint.get("hyper_parameters", {}).get("backbone", backbones.TUTORIAL_ALEXNET)
             if source != hparams.backbone:
                 raise ConfigError(f"--model.init_from {hparams.init_from} holds a {source} network, not the "

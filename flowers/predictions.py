@@ -12,6 +12,7 @@ from typing import Literal
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
+from flowers.errors import ConfigError
 from flowers.files import atomic_write_text
 
 
@@ -31,7 +32,8 @@ class PredictionWriter(BasePredictionWriter):
                  format: Literal["csv", "json", "both"] = "csv") -> None:
         super().__init__(write_interval="epoch")
         if top_k < 1:
-            raise ValueError(f"predictions.top_k must be at least 1, got {top_k}")
+            raise ConfigError(f"--predictions.top_k must be at least 1 (the most probable classes each row lists), "
+                              f"got {top_k}.")
         self.output = output
         self.top_k = top_k
         self.format = format

@@ -44,7 +44,7 @@ def test_checkpoint_path_that_does_not_exist(in_tmp, capsys, tiny_synthetic):
 def test_truncated_checkpoint(in_tmp, capsys, tiny_synthetic):
     (in_tmp / "bad.ckpt").write_bytes(b"PK\x03\x04 truncated")
     code, err = run_main(capsys, f"--data.data_dir={tiny_synthetic}", "--ckpt_path=bad.ckpt")
-    assert code == 2 and "cannot be read as a flowers checkpoint" in err
+    assert code == 2 and "'bad.ckpt' cannot be read as a" in err
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -76,7 +76,10 @@ def test_real_entry_point_unknown_key_and_missing_dir(in_tmp):
                               timeout=120)
 
     unknown = flowers("--trainer.max_epochz=1")
-    assert unknown.returncode != 0 and "max_epochz" in unknown.stderr and "Traceback" not in unknown.stderr
+    assert unknown.returncode == 2 and "max_epochz" in unknown.stderr and "Traceback" not in unknown.stderr
+    # The error alone, not after 130 lines of usage: the usage is for --help.
+    assert "usage:" not in unknown.stderr and "flowers fit --help" in unknown.stderr
+    assert unknown.stderr.strip().splitlines()[-1].startswith("flowers: error: unrecognized arguments")
     missing = flowers("--data.data_dir=nowhere")
     assert missing.returncode == 2 and "'nowhere' does not exist" in missing.stderr
     assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) <= 3

@@ -15,8 +15,9 @@ from flowers.data import FlowerDataModule
 from flowers.data.batch_augment import CachedTrainBatch
 from flowers.data.cache import CACHE_FOLDER
 from flowers.data.datasets import CachedBatch
-from flowers.module import FlowerClassifier, WarmupCosineLR
+from flowers.module import FlowerClassifier
 from flowers.runs import last_checkpoint
+from flowers.schedules import WarmupCosineLR
 from tests.conftest import TINY_RUN, RecordOps, make_tree
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

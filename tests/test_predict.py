@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flowers.cli import cli_main
+from flowers.cli import cli_main, main
 from tests.conftest import TINY_RUN, write_images
 from tests.trained_run import best_checkpoint, trained_run
 
@@ -54,7 +54,10 @@ def test_a_list_of_files_including_a_missing_one_as_json_only(ckpt, in_tmp):
     assert records[2]["prediction"] is None and "gone.jpg" in records[2]["error"]
 
 
-def test_top_k_below_one_is_refused(ckpt, in_tmp):
+def test_top_k_below_one_is_refused(ckpt, in_tmp, capsys):
     write_images(in_tmp / "photos", 1)
-    with pytest.raises((ValueError, SystemExit)):
-        _predict(ckpt, "--data.predict_dir=photos", "--predictions.top_k=0")
+    args = [f"--ckpt_path={ckpt}", "--data.predict_dir=photos", "--predictions.top_k=0"]
+    assert main(["predict", *TINY_RUN, *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "flowers: error: --predictions.top_k must be at least 1 (the most probable classes each row lists), got 0.")
+    assert not (in_tmp / "runs").exists()

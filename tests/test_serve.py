@@ -108,9 +108,15 @@ def mirror_run(tmp_path_factory, tiny_synthetic) -> Path:
     return _CACHE["run"]
 
 
+# The shared checkpoint server's limits, small enough for tests/test_serve_hostile.py to reach them quickly.
+BODY_TIMEOUT_S = 3
+MAX_UPLOADS = 20
+DECODE_BUDGET_MB = 400
+
+
 def shared_servers(request, tmp_path_factory, tiny_synthetic) -> dict[str, Server]:
     """Two servers, started together so that their start-ups overlap: the mirror-image checkpoint with a 100 ms
-    window (concurrent requests surely share batches), and its ONNX export."""
+    window (concurrent requests surely share batches) and small limits, and its ONNX export."""
     if "servers" not in _CACHE:
         from flowers.export import export
 
@@ -119,7 +125,9 @@ def shared_servers(request, tmp_path_factory, tiny_synthetic) -> dict[str, Serve
         started: list[Server] = []
         request.addfinalizer(lambda: stop_all(started))
         started.append(Server(["--ckpt_path", str(ckpt), "--batch_window_ms", "100", "--max_batch_size", "8",
-                               "--top_k", str(TOP_K)], logs / "checkpoint.log"))
+                               "--top_k", str(TOP_K), "--body_timeout_s", str(BODY_TIMEOUT_S),
+                               "--max_uploads", str(MAX_UPLOADS), "--decode_budget_mb", str(DECODE_BUDGET_MB)],
+                              logs / "checkpoint.log"))
         folder = export(ckpt, "onnx").parent  # the run's checkpoints/export/: serve finds the file by its suffix
         started.append(Server(["--ckpt_path", str(folder)], logs / "onnx.log"))
         _CACHE["servers"] = {"checkpoint": started[0].wait_ready(), "onnx": started[1].wait_ready()}
@@ -359,7 +367,8 @@ def test_an_onnx_export_is_served_with_the_checkpoints_numbers(onnx_served, phot
 
 def test_a_torchscript_export_predicts_as_its_checkpoint(ckpt, photos, reference, tmp_path):
     from flowers.export import export
-    from flowers.serve.model import Predictor, decode_upload, describe
+    from flowers.serve.model import Predictor, describe
+    from flowers.serve.uploads import decode_upload
 
     target = export(ckpt, "torchscript", output=tmp_path / "elsewhere")
     (tmp_path / "elsewhere" / "config.yaml").write_text((ckpt.parents[1] / "config.yaml").read_text())  # beside it
@@ -396,7 +405,7 @@ def test_best_and_last_name_the_newest_runs_checkpoints(tmp_path_factory, tiny_s
     assert find_model("best").resolve() == best_checkpoint(run).resolve()
     assert find_model("last").resolve() == (run / "checkpoints" / "last.ckpt").resolve()
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="no checkpoint under runs/"):
+    with pytest.raises(ConfigError, match=r"no runs/flowers/version_\*/checkpoints/ holds a checkpoint here"):
         find_model("best")
 
 
@@ -413,7 +422,7 @@ def test_the_command_refuses_bad_arguments_in_one_paragraph(ckpt, tmp_path, caps
     assert "does not exist" in _refusal(capsys, "--ckpt_path", str(tmp_path / "missing.ckpt"))
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"not a checkpoint at all")
-    assert "could not be loaded as a checkpoint" in _refusal(capsys, "--ckpt_path", str(garbage))
+    assert "as a checkpoint" in _refusal(capsys, "--ckpt_path", str(garbage))
     weights = tmp_path / "AlexNet.pth"
     weights.write_bytes(b"")
     assert "state_dict holds no network" in _refusal(capsys, "--ckpt_path", str(weights))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 
@@ -19,7 +20,13 @@ from flowers.data.batch_augment import CachedTrainBatch, WithTrainViews, crop_fl
 from flowers.data.batch_ops import mix_batch, random_erase
 from flowers.data.cache import CACHE_FOLDER, ImageCache, cache_side, ensure_cache, fitting_side, upload_in_chunks
 from flowers.data.datasets import CachedBatch, CachedImages, LabelledImages, UnlabelledImages
-from flowers.data.download import DEFAULT_DIR, FLOWER_PHOTOS_SHA256, FLOWER_PHOTOS_URL, fetch_flower_photos
+from flowers.data.download import (
+    DEFAULT_DIR,
+    FLOWER_PHOTOS_SHA256,
+    FLOWER_PHOTOS_URL,
+    check_source,
+    fetch_flower_photos,
+)
 from flowers.data.folders import (
     Sample,
     drop_unreadable,
@@ -40,6 +47,7 @@ from flowers.data.transforms import (
     train_transform,
 )
 from flowers.errors import ConfigError, DataError
+from flowers.files import special_kind
 
 
 class FlowerDataModule(L.LightningDataModule):
@@ -138,9 +146,25 @@ class FlowerDataModule(L.LightningDataModule):
         super().__init__()
         if not 0 < val_split < 1:
             raise ConfigError(f"data.val_split must be between 0 and 1 (exclusive), got {val_split}.")
-        if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
-            raise ConfigError(f"data.batch_size and data.eval_batch_size must be at least 1, got {batch_size}.")
+        for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"data.{name} must be at least 1 (images per batch), got {value}.")
+        if num_workers is not None and num_workers < 0:
+            raise ConfigError(f"data.num_workers={num_workers} is not a number of loader processes: use 0 (load in "
+                              "the training process) or more, or leave it unset for the default.")
+        if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
+            raise ConfigError(f"data.crop_scale must be two fractions of the image's area, 0 < first <= second <= 1, "
+                              f"got {list(crop_scale)}.")
+        if synthetic_per_class < 1 or synthetic_size < synthetic.MIN_SIZE:
+            raise ConfigError(f"data.synthetic_per_class must be at least 1 and data.synthetic_size at least "
+                              f"{synthetic.MIN_SIZE} px, got {synthetic_per_class} and {synthetic_size}.")
+        for name, values in (("mean", mean), ("std", std)):
+            if values is not None and (len(values) != 3 or not all(math.isfinite(v) for v in values)
+                                       or (name == "std" and min(values) <= 0)):
+                raise ConfigError(f"data.{name} must be three finite numbers, one per colour channel"
+                                  f"{' and each above 0' if name == 'std' else ''}, got {list(values)}.")
         if download:
+            check_source(download_url, download_sha256, "--data.download_url", "--data.download_sha256")
             # Here, not in prepare_data: the class folders are read below, when the CLI instantiates us.
             data_dir = str(fetch_flower_photos(data_dir or DEFAULT_DIR, url=download_url, sha256=download_sha256))
         self.data_dir = Path(data_dir).expanduser() if data_dir else None
@@ -153,7 +177,7 @@ class FlowerDataModule(L.LightningDataModule):
         self.crop_scale = crop_scale
         if not 0 <= resize_ramp[0] <= resize_ramp[1] <= 1:
             raise ConfigError(f"data.resize_ramp must be two fractions of the run, first <= second, got {resize_ramp}.")
-        if min(mixup_alpha, cutmix_alpha) < 0 or not 0 <= random_erasing <= 1:
+        if not (0 <= mixup_alpha < math.inf and 0 <= cutmix_alpha < math.inf and 0 <= random_erasing <= 1):  # not nan
             raise ConfigError("data.mixup_alpha and data.cutmix_alpha must be >= 0 (0 = off) and data.random_erasing "
                               f"a probability; got {mixup_alpha}, {cutmix_alpha} and {random_erasing}.")
         self.start_image_size = start_image_size
@@ -266,15 +290,33 @@ class FlowerDataModule(L.LightningDataModule):
                 self.train_set = LabelledImages(train, augment)
                 self.val_set = LabelledImages(val, self._eval_transform())
         if stage == "test":
-            if not (root / "test").is_dir():
-                raise DataError(
-                    f"No test set: {root / 'test'} does not exist. Put a test/<class>/ tree there, or run "
-                    "`validate` to score the validation split."
-                )
-            self.test_set = LabelledImages(self._labelled(root / "test"), self._eval_transform())
+            self.test_set = LabelledImages(self._labelled(self._test_folder(root)), self._eval_transform())
         rank_zero_info("Images per class: " + "; ".join(  # each split's balance, before any time is spent on it
             f"{split}: " + ", ".join(f"{name} {n}" for name, n in per_class.items())
             for split, per_class in self.class_counts().items()))
+
+    def check_inputs(self, stage: str) -> None:
+        """Fail now, in one paragraph, when the folders or files ``stage`` reads hold no images: a mistyped path
+        then stops the command before the trainer makes a run folder. Lists the files; decodes none."""
+        if stage == "predict":
+            self._predict_paths()
+        elif self.data_dir is not None and stage in ("fit", "validate", "test"):
+            root = self.data_dir
+            if not root.is_dir():
+                find_classes(root)  # says what is there instead of a folder
+            folders = ([self._test_folder(root)] if stage == "test" else
+                       [root / "train", root / "val"] if is_split_layout(root) else [root])
+            for folder in folders:
+                list_images(folder, self.class_names)
+
+    @staticmethod
+    def _test_folder(root: Path) -> Path:
+        if not (root / "test").is_dir():
+            raise DataError(
+                f"No test set: {root / 'test'} does not exist. Put a test/<class>/ tree there, or run "
+                "`validate` to score the validation split."
+            )
+        return root / "test"
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         # Here, on the training device, cached batches become what the PIL transforms would have produced.
@@ -358,7 +400,9 @@ class FlowerDataModule(L.LightningDataModule):
         if target.is_file():
             return [str(target)]
         if not target.is_dir():
-            raise DataError(f"--data.predict_dir {str(target)!r} does not exist.")
+            kind = special_kind(target)
+            raise DataError(f"--data.predict_dir {str(target)!r} " + (f"is {kind}:" if kind else "does not exist:")
+                            + " pass a folder of images or one image file.")
         paths = sorted(str(path) for path in list_image_files(target))  # predictions.csv's row order, by path text
         if not paths:
             raise DataError(f"--data.predict_dir {str(target)!r} holds no images.")

@@ -15,17 +15,20 @@ import http.client
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tarfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
+from flowers.checks import ArgumentParser
 from flowers.errors import DataError
-from flowers.files import build_once
+from flowers.files import build_once, can_create
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ def _is_ready(target: Path) -> bool:
     if target.exists() and not target.is_dir():
         raise DataError(
             f"Cannot download the flower photos into {str(target)!r}: it exists and is not a folder. "
-            "Remove it or choose another --data.data_dir."
+            "Remove it or download into another folder."
         )
     return target.is_dir() and any(target.iterdir())
 
@@ -74,7 +77,7 @@ def _download(url: str, part: Path, target: Path) -> str:
                     bar.update(len(chunk))
     except http.client.IncompleteRead:
         raise _cannot_download(url, target, "the connection closed before the whole archive arrived") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:  # ValueError: no URL
         raise _cannot_download(url, target, str(error) or type(error).__name__) from None
     if total is not None and received != total:
         raise _cannot_download(url, target, f"got {received} of {total} bytes; the download was cut off")
@@ -177,6 +180,16 @@ def _fetch(folder: Path, target: Path, url: str, sha256: str | None) -> None:
         shutil.rmtree(extracted, ignore_errors=True)
 
 
+def check_source(url: str, sha256: str | None, url_flag: str = "--url", sha256_flag: str = "--sha256") -> None:
+    """The address is one urllib can fetch and the checksum a SHA-256, before anything is created or downloaded."""
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https", "ftp", "file"):
+        raise DataError(f"{url_flag} {url!r} is not an address the download can fetch: use an http://, https:// "
+                        "or file:// URL of the archive.")
+    if sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha256.strip()):
+        raise DataError(f"{sha256_flag} {sha256!r} is not a SHA-256 (64 hexadecimal digits): pass the archive's "
+                        "checksum, or none to skip the check.")
+
+
 def fetch_flower_photos(
     target_dir: str | os.PathLike = DEFAULT_DIR, *, url: str = FLOWER_PHOTOS_URL,
     sha256: str | None = FLOWER_PHOTOS_SHA256,
@@ -184,6 +197,9 @@ def fetch_flower_photos(
     """The class-folder root ``target_dir``, downloaded first unless it already holds data."""
     target = Path(target_dir).expanduser()
     if not _is_ready(target):
+        if not can_create(target.parent):  # the lock and the download go beside the target
+            raise DataError(f"Cannot download the flower photos into {str(target)!r}: {str(target.parent)!r} "
+                            "cannot be written. Choose a folder you can write.")
         build_once(target, lambda folder: _fetch(folder, target, url, sha256), is_complete=_is_ready,
                    waiting_for="downloading")
         log.info("The flower photos are in %s", target)
@@ -191,7 +207,7 @@ def fetch_flower_photos(
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowers download", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgumentParser(prog="flowers download", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"where the class folders go (default {DEFAULT_DIR})")
     p.add_argument("--url", default=FLOWER_PHOTOS_URL)
     p.add_argument("--sha256", default=FLOWER_PHOTOS_SHA256, help="expected SHA-256; 'none' skips the check")
@@ -203,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     sha256 = None if args.sha256.lower() == "none" else args.sha256
     try:
+        check_source(args.url, sha256)
         root = fetch_flower_photos(args.dir, url=args.url, sha256=sha256)
     except DataError as error:
         print(f"flowers: error: {error}", file=sys.stderr)

@@ -18,18 +18,12 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
-from torchvision import transforms as T
 
-from flowers.data.images import DECODE_ERRORS, load_rgb_bytes
 from flowers.data.transforms import eval_transform
 from flowers.errors import ConfigError
 from flowers.runs import (
     CLASS_INDICES,
     CONFIG,
-    LOG_DIR,
-    NAME,
-    newest_best_checkpoint,
-    newest_last_checkpoint,
     run_dir_of,
 )
 
@@ -37,7 +31,6 @@ DEFAULT_BACKBONE = "tutorial_alexnet"
 # Suffixes, not file names: exports may be named after their backbone.
 FORMATS = {".ckpt": "checkpoint", ".torchscript.pt": "torchscript", ".onnx": "onnx"}
 KIND_NAMES = {"checkpoint": "a checkpoint", "torchscript": "a TorchScript export", "onnx": "an ONNX export"}
-NEWEST = ("best", "last")  # --ckpt_path best: the newest run's best checkpoint, as `fit --ckpt_path last` resumes
 # Module settings that shape neither the network's inputs nor its normalisation, or that would compile it.
 _TRAINING_ONLY = {"num_classes", "class_names", "optimizer", "scheduler", "compile", "compile_mode"}
 
@@ -71,13 +64,9 @@ def format_of(path: Path) -> str | None:
 def find_model(path: str | Path) -> Path:
     """The file to serve: ``path`` itself, or in an export folder its one ``.onnx`` (else ``.torchscript.pt``);
     ``best`` and ``last`` are the newest run's best and last checkpoints under ``runs/``."""
-    path = Path(path)
-    if str(path) in NEWEST and not path.exists():
-        newest = newest_checkpoint(str(path))
-        if newest is None:
-            raise ConfigError(f"--ckpt_path {path}: no checkpoint under {LOG_DIR}/ here; train one with `make train`"
-                              " or pass a checkpoint's path.")
-        return newest
+    from flowers.inference import resolve
+
+    path = resolve(path)
     if not path.exists():
         raise ConfigError(f"--ckpt_path {str(path)!r} does not exist.")
     if path.is_file():
@@ -91,16 +80,6 @@ def find_model(path: str | Path) -> Path:
                               f"({', '.join(p.name for p in found)}): pass the one to serve.")
     raise ConfigError(f"--ckpt_path {str(path)!r} is a folder with no .onnx or .torchscript.pt export in it: "
                       "pass a checkpoint (.ckpt) or an export file.")
-
-
-def newest_checkpoint(which: str) -> Path | None:
-    """The newest run's ``best-*.ckpt`` (``which="best"``) or ``last.ckpt`` under ``runs/flowers/``."""
-    if which == "last":
-        return newest_last_checkpoint(LOG_DIR, NAME)
-    try:
-        return newest_best_checkpoint(Path(LOG_DIR, NAME))
-    except FileNotFoundError:
-        return None
 
 
 def run_config_near(path: Path, kind: str) -> Path | None:
@@ -134,12 +113,12 @@ def describe(path: str | Path, *, image_size: int | None = None, eval_hflip: boo
     size = image_size or data.get("eval_image_size") or data.get("image_size") or 224
     try:
         if kind == "checkpoint":
-            from flowers.analysis import load
+            from flowers.inference import load
 
-            model, classes, hparams = load(path)
-            if eval_hflip is None:
-                eval_hflip = bool(model.eval_hflip)
-            backbone = hparams.get("backbone", DEFAULT_BACKBONE)
+            ready = load(path)  # the checkpoint's own classes, side, normalisation and mirror setting
+            model, classes, size = ready.model, ready.classes, image_size or ready.image_size
+            eval_hflip = ready.eval_hflip if eval_hflip is None else eval_hflip
+            backbone = ready.hparams.get("backbone", DEFAULT_BACKBONE)
         else:
             classes = _class_names_beside(path)
             model = _module_for(model_args, classes)
@@ -204,41 +183,6 @@ def _onnx_image_size(path: Path, asked: int | None) -> int | None:
     return side
 
 
-class BadImage(ValueError):
-    """An upload that is no image the server can classify; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def decode_upload(data: bytes, image_size: int) -> np.ndarray:
-    """An upload's pixels as ``image_size`` squares of uint8 RGB, as ``predict`` reads a file. Raises BadImage.
-
-    Runs where requests arrive; only the small square goes on to the model's process, which applies the rest
-    of the evaluation transform (the resize it starts with then finds nothing to do).
-    """
-    if not data:
-        raise BadImage(400, "the body is empty: send the image's bytes, or a multipart form with a field 'file'")
-    try:
-        image = load_rgb_bytes(data)
-        # eval_transform's first step; PIL's resize to an image's own size returns it unchanged.
-        square = T.Resize((image_size, image_size), antialias=True)(image)
-    except Image.DecompressionBombError as error:
-        raise BadImage(413, f"the image has too many pixels to decode ({_one_line(error)})") from None
-    except Image.UnidentifiedImageError:
-        raise BadImage(422, "the body is not an image in a format the server reads (JPEG, PNG, WebP, GIF, "
-                            "BMP, TIFF, ...)") from None
-    except DECODE_ERRORS as error:
-        raise BadImage(422, f"the image could not be decoded ({type(error).__name__}: {_one_line(error)})") \
-            from None
-    return np.asarray(square, dtype=np.uint8)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:300]
-
-
 class Predictor:
     """The forward pass: squares in, class probabilities out, with the mirror-image average when asked."""
 
@@ -246,12 +190,12 @@ class Predictor:
         self.source = source
         self.device = torch.device(device)
         if source.format == "checkpoint":
-            from flowers.analysis import eval_transform_of, load
+            from flowers.inference import load
 
-            model, _, _ = load(source.path, map_location=str(self.device))
-            model.eval_hflip = source.eval_hflip
-            self.transform: Callable = eval_transform_of(model, source.image_size)
-            self._logits = model.eval_logits
+            ready = load(source.path, map_location=str(self.device))
+            ready.model.eval_hflip = source.eval_hflip
+            self.transform: Callable = ready.transform(source.image_size)
+            self._logits = ready.model.eval_logits
             return
         self.transform = eval_transform(crop_size=source.image_size, mean=source.mean, std=source.std)
         if source.format == "torchscript":

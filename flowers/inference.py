@@ -1,0 +1,105 @@
+"""A checkpoint in, a model ready to predict out, with everything its answers depend on: the classes, the side it
+evaluates at, its normalisation and whether it averages each image with its mirror image.
+
+``predict``, ``validate`` and ``test`` (through the CLI's defaults), ``flowers.analysis``, ``flowers serve`` and
+``flowers export`` all take these from the checkpoint, so they answer alike unless a flag says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flowers.checkpoint_reader import read
+from flowers.data.transforms import eval_transform
+from flowers.errors import ConfigError
+from flowers.module import FlowerClassifier
+from flowers.runs import CONFIG, LOG_DIR, NAME, newest_best_checkpoint, newest_last_checkpoint, run_dir_of
+
+ALIASES = ("best", "last")  # the newest run's best-*.ckpt and last.ckpt, for every command that takes a checkpoint
+DEFAULT_IMAGE_SIZE = 224  # the tutorial's side, for a checkpoint that records none and has no run folder beside it
+
+
+@dataclass
+class ReadyModel:
+    """A checkpoint's model in eval mode, with the settings its predictions depend on."""
+
+    model: FlowerClassifier
+    path: Path
+    hparams: dict[str, Any]  # the checkpoint's settings, as data
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.model.class_names)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.model.hparams.eval_image_size)
+
+    @property
+    def eval_hflip(self) -> bool:
+        return bool(self.model.eval_hflip)
+
+    def transform(self, image_size: int | None = None) -> Callable:
+        """The evaluation transform: squashed to the run's side (or ``image_size``), normalised as in training."""
+        mean, std = self.model.normalization()
+        return eval_transform(crop_size=image_size or self.image_size, mean=mean, std=std)
+
+
+def resolve(ckpt: str | Path, flag: str = "--ckpt_path", *, save_dir: str = LOG_DIR, name: str = NAME) -> Path:
+    """``ckpt`` as a path: ``best`` and ``last`` (when no such file is here) name the newest run's checkpoints."""
+    if str(ckpt) not in ALIASES or Path(ckpt).exists():
+        return Path(ckpt)
+    if str(ckpt) == "last":
+        found = newest_last_checkpoint(save_dir, name)
+    else:
+        try:
+            found = newest_best_checkpoint(Path(save_dir, name))
+        except FileNotFoundError:
+            found = None
+    if found is None:
+        raise ConfigError(f"{flag} {ckpt}: no {save_dir}/{name}/version_*/checkpoints/ holds a "
+                          f"{'last.ckpt' if ckpt == 'last' else 'checkpoint'} here. Run in the folder that holds "
+                          f"{save_dir}/, train one with `flowers fit` (or `make train`), or pass a checkpoint file.")
+    return found
+
+
+def eval_image_size(hparams: dict[str, Any], path: str | Path) -> int:
+    """The side a checkpoint's run evaluated at: recorded in the checkpoint, else in its run's config.yaml
+    (checkpoints from before it was recorded), else the tutorial's 224."""
+    if hparams.get("eval_image_size"):
+        return int(hparams["eval_image_size"])
+    config = run_dir_of(path) / CONFIG
+    try:
+        data = (yaml.safe_load(config.read_text()) or {}).get("data") or {} if config.is_file() else {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        data = {}
+    size = data.get("eval_image_size") or data.get("image_size") if isinstance(data, dict) else None
+    return int(size) if isinstance(size, int) and size > 0 else DEFAULT_IMAGE_SIZE
+
+
+def load(ckpt: str | Path, *, map_location: str = "cpu", flag: str = "--ckpt_path") -> ReadyModel:
+    """The model of ``ckpt`` (a path, ``best`` or ``last``) in eval mode. The file is read as untrusted data
+    (flowers.checkpoint_reader) and only the network is built from it: never its optimizer or scheduler."""
+    path = resolve(ckpt, flag)
+    checkpoint = read(path, flag, model_class=FlowerClassifier)
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    settings = {key: value for key, value in hparams.items() if not key.startswith("_")}
+    settings.update(optimizer=None, scheduler=None, compile=False, eval_image_size=eval_image_size(hparams, path))
+    try:
+        model = FlowerClassifier(**settings)
+        model.load_state_dict(checkpoint["state_dict"])
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, RuntimeError, KeyError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ConfigError(f"{flag} {str(path)!r} holds settings or weights that do not make a model ({first_line}). "
+                          "Use a last.ckpt or best-*.ckpt written by `flowers fit`.") from None
+    model._restored = True  # the checkpoint's network: --model.weights and init_from are never read
+    model.to(map_location).eval()
+    return ReadyModel(model=model, path=path, hparams={**{k: v for k, v in hparams.items() if not k.startswith("_")},
+                                                       "eval_image_size": settings["eval_image_size"]})
