@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,30 +96,6 @@ def check_regular_file(path: str | Path, flag: str, wanted: str) -> None:
         raise ConfigError(f"{flag} {str(path)!r} does not exist: pass {wanted}.")
     if kind := special_kind(path):
         raise ConfigError(f"{flag} {str(path)!r} is {kind}, not a file: pass {wanted}.")
-
-
-def check_initial_weights(model, read_checkpoint: Callable[[str, str], dict]) -> None:
-    """What a new fit starts from (``--model.init_from``, a ``--model.weights`` file or name) is readable and fits
-    the network, checked before the run folder is made; the model loads it for real when the fit starts.
-    ``read_checkpoint(path, flag)`` is the CLI's checkpoint reader."""
-    from flowers import backbones  # here: backbones imports flowers.data, whose download module imports this one
-
-    hparams = model.hparams
-    if hparams.get("init_from"):
-        checkpoint = read_checkpoint(hparams.init_from, "--model.init_from")
-        source = (checkpoint.get("hyper_parameters") or {}).get("backbone", backbones.TUTORIAL_ALEXNET)
-        if source != hparams.backbone:
-            raise ConfigError(f"--model.init_from {hparams.init_from} holds a {source} network, not the "
-                              f"--model.backbone={hparams.backbone} of this run. Set the backbone to {source}.")
-        state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
-        backbones.check_matching(model.net, state, what=f"--model.init_from {hparams.init_from}",
-                                 backbone=hparams.backbone)
-    elif hparams.get("weights"):
-        if backbones.is_named_weights(hparams.weights):
-            backbones.preprocessing(hparams.backbone, hparams.weights)  # a known name; downloaded when the fit starts
-        else:
-            backbones.check_matching(model.net, backbones.read_state_dict(hparams.weights),
-                                     what=f"--model.weights {hparams.weights}", backbone=hparams.backbone)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -189,7 +189,7 @@ class FlowersCLI(LightningCLI):
         if self.datamodule is not None and self.subcommand is not None:
             self.datamodule.check_inputs(self.subcommand)
         if self.subcommand == "fit" and config.get("ckpt_path") is None:
-            checks.check_initial_weights(self.model, _read_checkpoint)
+            self.model.check_initial_weights()
         if self.subcommand == "fit":
             self._refuse_occupied_run_folder(config)
 

@@ -253,19 +253,37 @@ class FlowerClassifier(L.LightningModule):
         for logger in trainer.loggers:
             logger.log_hyperparams(scale)
 
+    def check_initial_weights(self) -> None:
+        """What a new fit starts from (``init_from``, a ``weights`` file or name) is readable and fits the network:
+        shapes only, so the CLI checks it before it makes the run folder; ``on_fit_start`` loads it."""
+        hparams = self.hparams
+        if hparams.get("init_from"):
+            backbones.check_matching(self.net, self._init_from_network(), what=f"--model.init_from "
+                                     f"{hparams.init_from}", backbone=hparams.backbone)
+        elif hparams.get("weights"):
+            if backbones.is_named_weights(hparams.weights):
+                backbones.preprocessing(hparams.backbone, hparams.weights)  # a known name; downloaded at fit start
+            else:
+                backbones.check_matching(self.net, backbones.read_state_dict(hparams.weights),
+                                         what=f"--model.weights {hparams.weights}", backbone=hparams.backbone)
+
+    def _init_from_network(self) -> dict[str, torch.Tensor]:
+        """The network weights of the ``init_from`` checkpoint, refused unless they are this run's backbone."""
+        hparams = self.hparams
+        checkpoint = checkpoint_reader.read(hparams.init_from, "--model.init_from", model_class=type(self))
+        source = (checkpoint.get("hyper_parameters") or {}).get("backbone", backbones.TUTORIAL_ALEXNET)
+        if source != hparams.backbone:
+            raise ConfigError(f"--model.init_from {hparams.init_from} holds a {source} network, not the "
+                              f"--model.backbone={hparams.backbone} of this run. Set the backbone to {source}.")
+        return {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+
     def _load_initial_weights(self) -> None:
         # Here rather than in __init__: a resumed, predicting or exporting model never reads (or downloads) them.
         # Every ddp rank loads the same file, so the replicas stay equal.
         hparams = self.hparams
         if hparams.get("init_from"):
-            checkpoint = checkpoint_reader.read(hparams.init_from, "--model.init_from", model_class=type(self))
-            source = checkpoint.get("hyper_parameters", {}).get("backbone", backbones.TUTORIAL_ALEXNET)
-            if source != hparams.backbone:
-                raise ConfigError(f"--model.init_from {hparams.init_from} holds a {source} network, not the "
-                                  f"--model.backbone={hparams.backbone} of this run. Set the backbone to {source}.")
-            state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
-            backbones.load_matching(self.net, state, what=f"--model.init_from {hparams.init_from}",
-                                    backbone=hparams.backbone)
+            backbones.load_matching(self.net, self._init_from_network(), what=f"--model.init_from "
+                                    f"{hparams.init_from}", backbone=hparams.backbone)
         elif hparams.get("weights"):
             cache = Path(torch.hub.get_dir())
             cache.mkdir(parents=True, exist_ok=True)
