@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 RAW_TYPES = ("image/", "application/octet-stream")
 QUEUE_TIMEOUT_S = 30.0  # LitServe's: a request that waited this long for the model answers 504
 DECODE_WAIT_S = 30.0  # how long an upload may wait for room in the decode budget before it answers 503
+# LitServe's request queue lives in its manager process, which runs each get() for the worker: the get of a
+# worker killed mid-wait goes on there and would swallow a request, so no single wait outlasts a worker restart.
+GET_SLICE_S = 0.25
 WATCH_S = 0.25  # how often the worker's death is looked for, in the main process and by each waiting request
 MAX_RESTARTS = 5  # worker deaths in RESTART_WINDOW_S after which the server stops instead of restarting it again
 RESTART_WINDOW_S = 600.0
@@ -143,22 +146,24 @@ class WindowedLoop(BatchedLoop):
     """LitServe's batched loop, with a window that the first request opens.
 
     LitServe's own collection polls the queue while idle, every millisecond (with no pause at all for a window
-    of 0). This one sleeps in a blocking ``get`` until a request comes, then waits up to ``batch_timeout`` for
-    more, up to ``max_batch_size`` (a window of 0: takes what is already queued).
+    of 0). This one sleeps in blocking ``get`` calls of ``GET_SLICE_S`` until a request comes, then waits up to
+    ``batch_timeout`` for more, up to ``max_batch_size`` (a window of 0: takes what is already queued).
     """
 
     def get_batch_requests(self, lit_api, request_queue, transport):
         try:
-            items = [request_queue.get(timeout=1.0)]
+            items = [request_queue.get(timeout=GET_SLICE_S)]
         except Empty:
             return [], []
         deadline = time.monotonic() + lit_api.batch_timeout
         while len(items) < lit_api.max_batch_size:
             wait = deadline - time.monotonic()
             try:
-                items.append(request_queue.get(timeout=wait) if wait > 0 else request_queue.get_nowait())
+                items.append(request_queue.get(timeout=min(wait, GET_SLICE_S)) if wait > 0 else
+                             request_queue.get_nowait())
             except Empty:
-                break
+                if wait <= GET_SLICE_S:
+                    break
         batch, late, now = [], [], time.monotonic()
         for queue_id, uid, queued_at, square in items:
             if lit_api.request_timeout not in (-1, False, None) and now - queued_at > lit_api.request_timeout:
