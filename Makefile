@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 CONFIG ?= configs/quickstart.yaml
 
-.PHONY: help install browser train data test test-slow test-all lint bench tta tensorboard clean
+.PHONY: help install browser train data test test-slow test-all test-gpu lint bench tta tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -32,8 +32,8 @@ train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minute
 data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_photos, once
 	$(BIN)/flowers download
 
-test: $(STAMP)  ## run the default test suite (under 10 minutes on 2 cores)
-	$(BIN)/python -m pytest
+test: $(STAMP)  ## run the default test suite (under 6 minutes on 2 cores)
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs)
 	$(BIN)/python -m pytest -m slow
@@ -44,8 +44,11 @@ test-all: $(STAMP)  ## run every test
 lint: $(STAMP)  ## ruff
 	$(BIN)/ruff check flowers tests benchmarks
 
+test-gpu: $(STAMP)  ## the GPU checks (tests/gpu; they skip without CUDA); every GPU figure: benchmarks/gpu/run_all.sh
+	$(BIN)/python -m pytest -m gpu tests/gpu
+
 tta: $(STAMP)  ## time to accuracy: recipes vs the tutorial loop, whole processes, 3 seeds (needs `make data`)
-	$(BIN)/python benchmarks/tta.py $(TTA_ARGS)
+	$(BIN)/python benchmarks/bench.py --tta $(TTA_ARGS)
 
 bench: $(STAMP)  ## time an epoch: plain PyTorch vs Lightning vs configs/fast.yaml (needs `make data`)
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)

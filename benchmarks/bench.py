@@ -1,567 +1,608 @@
 """``python benchmarks/bench.py``: how fast one training epoch is, plain PyTorch vs Lightning vs the fast path.
 
-In one process, on the same images, split, model, optimizer (Adam 2e-4), batch size and thread count:
+Variants, on the same images, split, network, optimizer (Adam 2e-4), batch size and threads: ``a`` the tutorial's
+plain loop (PIL loader, fp32); ``b`` ``Trainer.fit`` with the tutorial's settings; ``b_cli`` b plus the logger and
+callbacks of ``flowers fit``; ``c`` ``fit`` with configs/fast.yaml; ``--ablate`` adds c with settings changed.
+b, b_cli and c are built by ``flowers fit``'s own command line and trained by a Trainer that only times them.
 
-* ``a``: a hand-written loop as the tutorial's single-device code (PIL decode per image, fp32, a train
-  epoch then a val epoch under ``torch.no_grad``);
-* ``b``: ``Trainer.fit`` with the tutorial's settings on the same loader in fp32, with no progress bar,
-  logger or checkpointing: Lightning's own cost;
-* ``b_cli``: ``b`` plus what ``flowers fit`` adds (TensorBoard logger, the project's callbacks);
-* ``c``: ``fit`` with ``configs/fast.yaml`` (cache + batched augmentation, its ``precision: auto`` resolved
-  as the CLI does, channels_last, the fused optimizer step, larger eval batch, pinned memory on CUDA).
-
-The images are ``--data-dir`` (default: ``$FLOWERS_DATA_DIR`` when set, else ``data/flower_photos`` from
-``make data``) or ``--synthetic``; fast.yaml is read from the repository's ``configs/``. Run it from a
-checkout where ``flowers`` is installed (``make install``).
-
-Each variant is warmed up, then run ``--repeats`` times, alternating, one full epoch each; every other
-repeat runs them in reverse order (a b c, c b a, …), so a machine that drifts within a repeat does not
-always favour the same variant. The table gives
-medians (min–max) and each ratio to ``a``; the compute floor (train steps on tensors already in
-memory, with each variant's own precision, memory format and optimizer step) and the loaders alone say
-how close each variant gets to what the hardware allows. The floor is measured in every repeat, right
-after the variants, and each run is compared with its own repeat's floor: a shared or throttled machine
-drifts by ±15 % over minutes, which would swamp a floor taken once.
-Peak memory is the GPU's on CUDA, else the main process's resident peak (loader workers not included).
-
-``--ablate "model.channels_last=false"`` adds a variant: ``c`` with those fast.yaml settings changed
-(several ``section.name=value`` pairs, separated by spaces, change several at once; repeat the flag for
-more variants). So each setting's share of the speed, or of an accuracy difference, is measured side
-by side with ``c`` in the same run.
-
-``--network free`` swaps the AlexNet for a network that costs next to nothing (a pooled linear layer), in
-every variant and the floor: each variant's images/s is then its loop's ceiling, what its data path,
-Lightning and logging allow. On a GPU bound by kernel launches this says whether a faster network
-(CUDA graphs, ``model.compile_mode=reduce-overhead``) could still make a variant faster.
-
-``--epochs N`` trains each run N epochs (validating after each, as ``fit`` does) and adds the val
-accuracy after the last one (each epoch's val accuracy and mean train loss go to ``--json``);
-``--epochs 10 --repeats 2`` is the accuracy check of fast vs plain over two seeds (repeat r seeds torch
-with ``--seed`` + r, so a and c start from the same weights; another ``--seed`` adds more seeds). Times
-are then per epoch; each epoch's train time and images go to ``--json`` too, so a run's steady state (the
-epochs after the first, which includes compiling and worker start-up) can be read apart.
-
-The loaders alone (no model) are timed as each loop feeds its network on ``--device``: a's PIL loader with
-the copy to the device, and c's data path as ``fit`` runs it there. On CUDA that is the cache held on the
-GPU when it fits (batches of indices, the crop in ``on_after_batch_transfer``), else the host cache with
-pinned memory and loader workers; on CPU the host cache in the training process. The window is one
-epoch's batches after an untimed first batch (``--loader-batches N`` sets a longer one, running on into
-further epochs).
-
-``--accuracy-only`` is for accuracy checks (``--epochs 10``): the runs are trained and scored as usual, but
-nothing that only serves the speed figures runs (no warm-up, no compute floor, no loaders alone), and
-the table leaves those figures out. It is a flag, not inferred from ``--epochs``: several epochs are
-also how steady-state speed is measured. ``--variants ""`` with ``--ablate`` runs only the ablations.
+``--tta``: time to accuracy instead. Each recipe (``--recipe``, repeatable; ``--ablate`` adds the first with settings
+changed) and the tutorial's loop (benchmarks/tutorial_loop.py) train once per seed, each as a process of its own,
+on ``fit``'s split as folders of links; each epoch's val accuracy is read with its time since the process started.
+A recipe's cache is built once, untimed, by a one-batch run. docs/benchmarks.md describes the flags and figures;
+``--parallel``, ``--anatomy`` and ``--graph-floor`` are the GPU figures of docs/benchmarks-gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import contextlib
 import json
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import chain, count, islice
 from pathlib import Path
 
 import lightning as L
 import torch
-import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
+from lightning.pytorch.profilers import SimpleProfiler
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from flowers import precision
-from flowers.callbacks import ClassIndicesWriter, TensorBoardPictures
-from flowers.data import FlowerDataModule
-from flowers.data.download import DEFAULT_DIR
-from flowers.errors import ConfigError, FlowersError
-from flowers.model import AlexNet
-from flowers.module import TUTORIAL_LR, FlowerClassifier
+from flowers.alexnet import AlexNet
+from flowers.cli import cli_main
+from flowers.data.folders import find_classes, is_split_layout, list_images, stratified_split
+from flowers.module import TUTORIAL_LR
 
-FAST_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "fast.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+FAST_CONFIG = ROOT / "configs" / "fast.yaml"
+DEFAULT_DATA = "data/flower_photos"
 VARIANTS = ("a", "b", "b_cli", "c")
 LABELS = {"a": "a plain PyTorch loop", "b": "b fit, tutorial settings", "b_cli": "b_cli fit + CLI logger/callbacks",
           "c": "c fit, configs/fast.yaml"}
+LOOP = "tutorial loop"
+# Two-sided 95 % quantiles of Student's t for 1 to 30 degrees of freedom; the normal one beyond.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+# The anatomy's phases: Lightning's profiler actions, by the start and end of their names.
+ANATOMY = {"data fetch (loader next)": ("[_TrainingEpochLoop]", ".train_dataloader_next"),
+           "to device (transfer_batch_to_device)": ("", ".transfer_batch_to_device"),
+           "augmentation (on_after_batch_transfer)": ("", ".on_after_batch_transfer"),
+           "forward, loss, metrics (training_step)": ("[Strategy]", ".training_step"),
+           "backward": ("[Strategy]", ".backward"),
+           "optimizer step, the two above included": ("[LightningModule]", ".optimizer_step"),
+           "whole batch but the fetch (run_training_batch)": ("run_training_batch", "")}
 
 
-# -- measuring ---------------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: writing 5 resets VmHWM, the resident peak, so each run gets its own
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _limited(loader, limit: int | None):
-    for i, batch in enumerate(loader):
-        if limit is not None and i >= limit:
-            return
-        yield batch
+def network(args, num_classes: int) -> nn.Module:
+    """``--network free``: each image's mean colour through one linear layer, so a figure is its loop's ceiling."""
+    if args.network == "free":
+        return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, num_classes))
+    return AlexNet(num_classes)
 
 
 # -- the variants --------------------------------------------------------------------------------
-class FreeNetwork(nn.Module):
-    """``--network free``: the mean colour of each image through one linear layer (a few kernels, no work)."""
-
-    def __init__(self, num_classes: int) -> None:
-        super().__init__()
-        self.classifier = nn.Linear(3, num_classes)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.classifier(images.mean(dim=(2, 3)))
-
-
-def network(args, num_classes: int) -> nn.Module:
-    return FreeNetwork(num_classes) if args.network == "free" else AlexNet(num_classes)
-
-
-def _datamodule(args, **overrides) -> FlowerDataModule:
-    # pin_memory off as in the tutorial's DataLoader, so a and b share exactly one loader; c's comes from fast.yaml.
-    kwargs = dict(data_dir=str(args.data_dir), image_size=args.image_size, batch_size=args.batch_size,
-                  num_workers=args.num_workers, pin_memory=False)
-    kwargs.update(overrides)
-    return FlowerDataModule(**kwargs)
+def fit_cli(args, device: torch.device, variant: str, workdir: Path):
+    """``flowers fit``'s model, datamodule and settings for a variant, nothing run. a and b share b's loader."""
+    words = []
+    if variant.startswith("c"):
+        words += ["--config", str(FAST_CONFIG)]  # first: the flags below win over it
+        words += [f"--{change}" for change in args.ablations.get(variant, [])]
+    else:  # the tutorial's DataLoader: no pinned memory, fp32
+        words += ["--trainer.precision=32-true", "--data.pin_memory=false"]
+    words += ["--data.data_dir", str(args.data_dir), f"--data.image_size={args.image_size}",
+              f"--data.batch_size={args.batch_size}", "--trainer.devices=1", "--seed_everything=false",
+              f"--trainer.accelerator={'gpu' if device.type == 'cuda' else 'cpu'}",
+              f"--trainer.logger.init_args.save_dir={workdir}"]
+    words += [f"--data.num_workers={args.num_workers}"] if args.num_workers is not None else []
+    return cli_main(words, run=False)
 
 
-def run_plain(args, device: torch.device) -> dict:
-    datamodule = _datamodule(args)
+def run_plain(args, device: torch.device, variant: str, workdir: Path) -> dict:
+    """Variant a: the tutorial's loop on b's loader, timed over the same span as ``_EpochTimer``."""
+    datamodule = fit_cli(args, device, variant, workdir).datamodule
     datamodule.setup("fit")
     model = network(args, datamodule.num_classes).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR)
     loss_fn = nn.CrossEntropyLoss()
-    _reset_peak(device)
     train_loader, val_loader = datamodule.train_dataloader(), datamodule.val_dataloader()
     start = time.perf_counter()
     seen, val_s, history = 0, 0.0, []
     for _ in range(args.epochs):
-        epoch_start, epoch_first_seen = time.perf_counter(), seen
+        epoch_start, first_seen, running_loss, steps = time.perf_counter(), seen, 0.0, 0
         model.train()
-        running_loss, steps = 0.0, 0
-        for images, labels in _limited(train_loader, args.limit_batches):
+        for images, labels in islice(train_loader, args.limit_batches):
             images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()
             loss = loss_fn(model(images), labels)
             loss.backward()
             optimizer.step()
             running_loss += loss.item()  # the tutorial prints the running loss: one sync per step, as fit's logging
-            seen += len(labels)
-            steps += 1
+            seen, steps = seen + len(labels), steps + 1
         _sync(device)
         val_start = time.perf_counter()
-        train_s = val_start - epoch_start
         model.eval()
         correct = total = 0
         with torch.no_grad():
-            for images, labels in _limited(val_loader, args.limit_batches):
+            for images, labels in islice(val_loader, args.limit_batches):
                 correct += (model(images.to(device)).argmax(1) == labels.to(device)).sum().item()
                 total += len(labels)
         _sync(device)
         val_s += time.perf_counter() - val_start
         history.append({"train_loss": running_loss / max(1, steps), "val_acc": correct / max(1, total),
-                        "train_s": train_s, "train_images": seen - epoch_first_seen})
+                        "train_s": val_start - epoch_start, "train_images": seen - first_seen})
     total_s = time.perf_counter() - start
     return {"train_images": seen, "train_s": total_s - val_s, "val_s": val_s / args.epochs,
-            "epoch_s": total_s / args.epochs, "peak_mb": _peak_mb(device), "val_acc": correct / max(1, total),
+            "epoch_s": total_s / args.epochs, "val_acc": history[-1]["val_acc"],
             "history": history, "workers": datamodule.num_workers}
 
 
 class _EpochTimer(L.Callback):
-    # The same span as run_plain times, from before the train loader's first iter() (which Lightning
-    # calls, prefetching a batch, before on_train_epoch_start) to the end of the last validation.
+    # run_plain's span: from before the train loader's first iter() to the end of the last validation.
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seen = 0
-        self.val_s = 0.0
-        self.epochs = 0
-        self.times: dict[str, float] = {}
-        self.history: list[dict] = []
-        self.epoch_train: list[dict] = []  # each epoch's train seconds and images
-        self._epoch_first_seen = 0
+        self.device, self.seen, self.first_seen, self.val_s = device, 0, 0, 0.0
+        self.times, self.history, self.epoch_train = {}, [], []  # history: each epoch's; epoch_train: its span
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        _reset_peak(self.device)
         self.times["start"] = self.times["epoch_start"] = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.seen += len(batch[1])
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            _sync(self.device)
-            self.times["val_start"] = time.perf_counter()
-            self.epoch_train.append({"train_s": self.times["val_start"] - self.times["epoch_start"],
-                                     "train_images": self.seen - self._epoch_first_seen})
+        _sync(self.device)
+        self.times["val_start"] = time.perf_counter()
+        self.epoch_train.append({"train_s": self.times["val_start"] - self.times["epoch_start"],
+                                 "train_images": self.seen - self.first_seen})
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            _sync(self.device)
-            self.times["end"] = self.times["epoch_start"] = time.perf_counter()
-            self.val_s += self.times["end"] - self.times["val_start"]
-            self.epochs += 1
-            self._epoch_first_seen = self.seen
+        _sync(self.device)
+        self.times["end"] = self.times["epoch_start"] = time.perf_counter()
+        self.val_s += self.times["end"] - self.times["val_start"]
+        self.first_seen = self.seen
 
-    # The finished epoch's values, outside the timed span. Not in on_train_epoch_end: a callback's runs
-    # before the module's, which logs the epoch's training loss.
+    # The finished epoch's values, outside the timed span: the module logs its epoch loss after on_train_epoch_end.
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch > 0:
-            self._record_epoch(trainer)
+            self.on_fit_end(trainer, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        self._record_epoch(trainer)
-
-    def _record_epoch(self, trainer) -> None:
         metrics = trainer.callback_metrics
-        if "val/acc" in metrics:
-            timing = self.epoch_train[len(self.history)] if len(self.epoch_train) > len(self.history) else {}
-            self.history.append({"train_loss": float(metrics["train/loss_epoch"]),
-                                 "val_acc": float(metrics["val/acc"]), **timing})
+        self.history.append({"train_loss": float(metrics["train/loss_epoch"]), "val_acc": float(metrics["val/acc"]),
+                             **self.epoch_train[len(self.history)]})
 
-    def result(self, trainer) -> dict:
-        total_s = self.times["end"] - self.times["start"]
-        return {"train_images": self.seen, "train_s": total_s - self.val_s, "val_s": self.val_s / self.epochs,
-                "epoch_s": total_s / self.epochs, "peak_mb": _peak_mb(self.device),
-                "val_acc": float(trainer.callback_metrics["val/acc"]), "history": self.history}
+    def result(self) -> dict:
+        total_s, epochs = self.times["end"] - self.times["start"], len(self.epoch_train)
+        return {"train_images": self.seen, "train_s": total_s - self.val_s, "val_s": self.val_s / epochs,
+                "epoch_s": total_s / epochs, "val_acc": self.history[-1]["val_acc"], "history": self.history}
 
 
-def fast_settings() -> dict:
-    return yaml.safe_load(FAST_CONFIG.read_text())
-
-
-# What an ablation may change: the settings fast.yaml's sections feed (the bench builds the Trainer,
-# module and datamodule itself, so a key outside these would be silently ignored).
-ABLATABLE = {"trainer": {"precision"},
-             "model": {"channels_last", "compile", "compile_mode", "fused_optimizer"},
-             "data": set(inspect.signature(FlowerDataModule).parameters) - {"data_dir"}}
-
-
-def parse_ablation(text: str) -> dict:
-    """``"model.channels_last=false data.cache=false"`` → ``{"model": {"channels_last": False}, "data": …}``."""
-    changes: dict[str, dict] = {}
-    for pair in text.replace(",", " ").split():
-        key, sep, value = pair.partition("=")
-        section, _, name = key.partition(".")
-        if not sep or name not in ABLATABLE.get(section, ()):
-            allowed = ", ".join(f"{sec}.{n}" for sec, names in ABLATABLE.items() for n in sorted(names))
-            raise ConfigError(f"--ablate {pair!r}: expected SECTION.NAME=VALUE with one of {allowed}.")
-        changes.setdefault(section, {})[name] = yaml.safe_load(value)
-    if not changes:
-        raise ConfigError("--ablate needs at least one SECTION.NAME=VALUE, e.g. --ablate model.channels_last=false.")
-    return changes
-
-
-def variant_settings(args, variant: str) -> dict:
-    """fast.yaml's trainer/model/data settings for ``c`` (with --fast-precision, --compile) or an ablation."""
-    fast = fast_settings()
-    settings = {section: dict(fast.get(section) or {}) for section in ("trainer", "model", "data")}
-    if fast.get("precision") == "auto" and "precision" not in settings["trainer"]:
-        settings["trainer"]["precision"] = precision.resolve(args.device)[0]  # as the CLI resolves it
-    if args.fast_precision:
-        settings["trainer"]["precision"] = args.fast_precision
-    if args.compile:
-        settings["model"]["compile"] = True
-    for section, changes in args.ablations.get(variant, {}).items():
-        settings[section].update(changes)
-    return settings
-
-
-def fast_data_settings(settings: dict) -> dict:
-    """The datamodule arguments of a ``variant_settings`` result."""
-    data_kwargs = dict(settings.get("data", {}))
-    # Cached batches in the model's memory order (else every float batch is copied), unless the variant sets it.
-    data_kwargs.setdefault("channels_last", bool(settings.get("model", {}).get("channels_last")))
-    return data_kwargs
+def fit_parts(args, device: torch.device, variant: str, workdir: Path, **trainer_kwargs):
+    """The variant's model and datamodule, and a Trainer with its precision (plus b_cli's logger and callbacks)."""
+    cli = fit_cli(args, device, variant, workdir)
+    model, datamodule = cli.model, cli.datamodule
+    if args.network == "free":
+        model.net = network(args, datamodule.num_classes)
+        if model.hparams.get("compile"):
+            model.net.compile(mode=model.hparams.get("compile_mode"))
+    callbacks, logger = trainer_kwargs.pop("callbacks", []), False
+    if variant == "b_cli":  # what `flowers fit` adds, less checkpointing and the console's progress and summary
+        logger = cli.trainer.logger
+        skip = ModelCheckpoint | ProgressBar | ModelSummary
+        callbacks += [c for c in cli.trainer.callbacks if not isinstance(c, skip)]
+    kwargs = dict(accelerator=device.type, devices=1, max_epochs=args.epochs, logger=logger, callbacks=callbacks,
+                  precision=cli.config["trainer"]["precision"], enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  limit_train_batches=args.limit_batches, limit_val_batches=args.limit_batches,
+                  default_root_dir=str(workdir))
+    kwargs.update(trainer_kwargs)
+    return model, datamodule, L.Trainer(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
     timer = _EpochTimer(device)
-    trainer_kwargs = dict(
-        accelerator=device.type, devices=1, max_epochs=args.epochs, precision="32-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_train_batches=args.limit_batches, limit_val_batches=args.limit_batches,
-        callbacks=[timer], default_root_dir=str(workdir),
-    )
-    model_kwargs, data_kwargs = {}, {}
-    if variant == "b_cli":
-        trainer_kwargs["logger"] = L.pytorch.loggers.TensorBoardLogger(str(workdir), name="bench",
-                                                                        default_hp_metric=False)
-        trainer_kwargs["callbacks"] = [timer, L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"),
-                                       ClassIndicesWriter(), TensorBoardPictures()]
-    elif variant.startswith("c"):
-        fast = variant_settings(args, variant)
-        trainer_kwargs.update(fast.get("trainer", {}))
-        model_kwargs = dict(fast.get("model", {}))
-        data_kwargs = fast_data_settings(fast)
-    datamodule = _datamodule(args, **data_kwargs)
-    model = FlowerClassifier(datamodule.num_classes, datamodule.class_names, **model_kwargs)
-    if args.network == "free":
-        model.net = FreeNetwork(datamodule.num_classes)
-        if model_kwargs.get("compile"):
-            model.net.compile(mode=model_kwargs.get("compile_mode"))
-    trainer = L.Trainer(**{k: v for k, v in trainer_kwargs.items() if v is not None})
+    model, datamodule, trainer = fit_parts(args, device, variant, workdir, callbacks=[timer])
     trainer.fit(model, datamodule=datamodule)
     # What the run really used, read back from the objects (so a report shows an ablation took effect).
     used = {"network": type(model.net).__name__, "precision": trainer.precision, "cache": datamodule.cache,
             "channels_last": model.channels_last, "data_channels_last": datamodule.channels_last,
             "fused_optimizer": bool(trainer.optimizers[0].defaults.get("fused")),
             "eval_batch_size": datamodule.eval_batch_size}
-    return {**timer.result(trainer), "workers": datamodule.num_workers, "used": used}
+    return {**timer.result(), "workers": datamodule.num_workers, "used": used}
 
 
-# -- floor and loaders --------------------------------------------------------------------------
-def compute_floor(args, device: torch.device, num_classes: int, names: list[str]) -> dict:
-    """Train images/s on one batch already on the device, for each of ``names`` (``_floor_key``'s form): what
-    the model alone allows with those settings. Only the floors the compared variants use are measured:
-    an emulated bf16 floor alone takes minutes on a CPU without native bf16."""
-    steps = args.floor_steps
-    results = {}
-    for name in names:
-        dtype = torch.bfloat16 if name.startswith("bf16") else None
-        channels_last, fused = "_channels_last" in name, name.endswith("_fused")
-        model = network(args, num_classes).to(device)
-        images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
-        labels = torch.randint(0, num_classes, (args.batch_size,), device=device)
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-            images = images.contiguous(memory_format=torch.channels_last)
-        optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR, fused=fused or None)
-        for i in range(min(3, steps) + steps):  # the first few warm up oneDNN's kernels and are not timed
-            if i == min(3, steps):
-                _sync(device)
-                start = time.perf_counter()
-            optimizer.zero_grad()
-            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = nn.functional.cross_entropy(model(images), labels)
-            loss.backward()
-            optimizer.step()
-        _sync(device)
-        results[name] = steps * args.batch_size / (time.perf_counter() - start)
-    return results
+# -- floor, loaders alone, anatomy -----------------------------------------------------------------
+def floor_key(used: dict) -> str:
+    """The floor with a run's own precision, memory format and optimizer step, e.g. ``bf16_channels_last_fused``."""
+    name = "bf16" if str(used["precision"]).startswith("bf16") else "fp32"
+    return name + ("_channels_last" if used["channels_last"] else "") + ("_fused" if used["fused_optimizer"] else "")
+
+
+def compute_floor(args, device: torch.device, num_classes: int, name: str) -> float:
+    """Train images/s on one batch already on the device, with the settings ``name`` gives in ``floor_key``'s
+    form (``_graph``: the whole step captured once as a CUDA graph and replayed)."""
+    dtype, graph = torch.bfloat16 if name.startswith("bf16") else None, name.endswith("_graph")
+    layout = torch.channels_last if "_channels_last" in name else torch.contiguous_format
+    model = network(args, num_classes).to(device, memory_format=layout)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device).contiguous(
+        memory_format=layout)
+    labels = torch.randint(0, num_classes, (args.batch_size,), device=device)
+    # capturable: the step count and learning-rate math stay on the GPU, so the step can be captured.
+    optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR, fused=("_fused" in name) or None,
+                                 **({"capturable": True} if graph else {}))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=not graph)  # a graph keeps its gradients' memory between replays
+        # No autocast weight cache under a graph: a cast cached outside it would be stale inside.
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None,
+                            cache_enabled=not graph):
+            loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+
+    side = torch.cuda.Stream() if graph else None  # capture wants its warm-up off the default stream
+    with torch.cuda.stream(side) if graph else contextlib.nullcontext():
+        for _ in range(min(3, args.floor_steps)):  # oneDNN's and cuDNN's kernel choice
+            step()
+    run = step
+    if graph:
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            step()
+        run = captured.replay
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(args.floor_steps):
+        run()
+    _sync(device)
+    return args.floor_steps * args.batch_size / (time.perf_counter() - start)
 
 
 def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]:
-    """Train images/s of each data path with no model, as its loop feeds the network on ``device``: a's PIL
-    loader plus the copy to the device, and c's path as ``fit`` runs it there (see the module's docstring).
-    Returns the figures and what was measured."""
+    """Train images/s of a's PIL loader with the copy to the device, and of c's data path as ``fit`` runs it there
+    (on CUDA the cache held on the GPU when it fits), with no model: one epoch after an untimed first batch."""
     results, detail = {}, {}
-    for name in ("pil", "cache"):
-        if name == "pil":
-            datamodule = _datamodule(args)
-        else:
-            settings = variant_settings(args, "c")
-            datamodule = _datamodule(args, **fast_data_settings(settings))
-            # The datamodule decides from its trainer where the cache lives and the batches' dtype, as in c's fit.
-            datamodule.trainer = L.Trainer(accelerator=device.type, devices=1,
-                                           precision=settings["trainer"]["precision"], logger=False,
-                                           enable_checkpointing=False, enable_progress_bar=False,
-                                           enable_model_summary=False, default_root_dir=str(workdir))
+    for name, variant in (("pil", "a"), ("cache", "c")):
+        cli = fit_cli(args, device, variant, workdir)
+        datamodule = cli.datamodule
+        if name == "cache":  # where the cache lives, the batches' dtype and memory order follow fit's trainer and model
+            cli.trainer.strategy.connect(cli.model)
+            datamodule.trainer = cli.trainer
         datamodule.setup("fit")
         loader = datamodule.train_dataloader()
         per_epoch = len(loader) if args.limit_batches is None else min(len(loader), args.limit_batches)
-        window = args.loader_batches or per_epoch
-        batches = _cycled(loader, per_epoch)
+        batches = chain.from_iterable(islice(loader, per_epoch) for _ in count())  # on into further epochs
+        window, seen = args.loader_batches or per_epoch, 0
         for i in range(window + 1):
-            if i == 1:  # the first batch starts the workers and warms the crop's kernels: not timed
+            if i == 1:  # the first batch starts the workers and warms the crop's kernels
                 _sync(device)
                 start, seen = time.perf_counter(), 0
             batch = next(batches)
-            if name == "pil":  # as a's loop does
+            if name == "pil":
                 batch = [tensor.to(device) for tensor in batch]
-            else:  # as fit does
-                batch = datamodule.transfer_batch_to_device(batch, device, 0)
-                batch = datamodule.on_after_batch_transfer(batch, 0)
+            else:
+                batch = datamodule.on_after_batch_transfer(datamodule.transfer_batch_to_device(batch, device, 0), 0)
             if i >= 1:
                 seen += len(batch[1])
         _sync(device)
         results[name] = seen / (time.perf_counter() - start)
         if name == "cache":
-            on_device = getattr(datamodule.train_set, "as_index", False)
-            path = (f"cache on {device}, batches of indices" if on_device else
-                    f"cache in host memory, {datamodule.num_workers} workers"
-                    + (", pinned" if loader.pin_memory else ""))
-            detail = {"batches": window, "cache_path": path + f", crop on {device.type}"}
-        del loader, datamodule
+            path = (f"cache on {device}, batches of indices" if getattr(datamodule.train_set, "as_index", False) else
+                    f"cache in host memory, {datamodule.num_workers} workers" + (", pinned" * loader.pin_memory))
+            detail = {"batches": window, "cache_path": f"{path}, crop on {device.type}"}
     return results, detail
 
 
-def _cycled(loader, per_epoch: int):
-    while True:
-        yield from _limited(loader, per_epoch)
-
-
-# -- the report -----------------------------------------------------------------------------------
-def summarise(runs: list[dict]) -> dict:
+def anatomy(args, device: torch.device, workdir: Path) -> dict:
+    """ms per training step in each phase, Lightning's simple profiler, after ``--warmup-batches`` untimed steps,
+    no validation. What the host spends while a GPU runs behind it; under CUDA_LAUNCH_BLOCKING=1, with its GPU work."""
     out = {}
-    for key in ("train_images_per_s", "epoch_s", "train_s", "val_s", "peak_mb", "val_acc"):
-        values = [r[key] for r in runs]
-        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    for variant in (v for v in args.variants if v != "a"):
+        profiler = SimpleProfiler()
+        model, datamodule, trainer = fit_parts(args, device, variant, workdir / variant, profiler=profiler,
+                                               max_epochs=1, limit_val_batches=0,
+                                               limit_train_batches=args.warmup_batches + args.anatomy)
+        trainer.fit(model, datamodule=datamodule)
+        out[variant] = {}
+        for phase, (first, last) in ANATOMY.items():
+            calls = [v[args.warmup_batches:] for k, v in profiler.recorded_durations.items()
+                     if k.startswith(first) and k.endswith(last)]
+            per_step = [sum(step) for step in zip(*calls, strict=False)]  # a step's calls of the matching actions
+            out[variant][phase] = 1000 * statistics.mean(per_step) if per_step else float("nan")
     return out
 
 
-def _floor_key(args, variant: str) -> str:
-    """The floor with the variant's own precision, memory format and optimizer step, e.g. ``fp32`` for a and b,
-    ``bf16_channels_last_fused`` for c where bf16 is native."""
-    if not variant.startswith("c"):
-        return "fp32"
-    settings = variant_settings(args, variant)
-    model = settings["model"]
-    name = "bf16" if str(settings["trainer"].get("precision", "32")).startswith("bf16") else "fp32"
-    return name + ("_channels_last" if model.get("channels_last") else "") + ("_fused" if model.get("fused_optimizer")
-                                                                           else "")
+# -- time to accuracy (--tta) ---------------------------------------------------------------------
+def split_folder(data_dir: Path, into: Path) -> Path:
+    """``data_dir`` itself when it has ``train/`` and ``val/``, else its flowers split as folders of links."""
+    if is_split_layout(data_dir):
+        return data_dir
+    classes = find_classes(data_dir)
+    train, val = stratified_split(list_images(data_dir, classes), val_fraction=0.1, seed=42)
+    for split, samples in (("train", train), ("val", val)):
+        for sample in samples:
+            link = into / split / classes[sample.label] / Path(sample.path).name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(Path(sample.path).resolve())
+    return into
 
 
-def label(report: dict, variant: str) -> str:
-    if variant in LABELS:
-        return LABELS[variant]
-    return f"{variant} c with {report['config']['ablations'][variant]}"
+def loop_process(data_dir: Path, seed: int, extra: list[str]) -> dict:
+    """The tutorial's loop as a process: each epoch's accuracy with its time since the process started."""
+    start = time.time()
+    command = [sys.executable, str(ROOT / "benchmarks" / "tutorial_loop.py"), "--data-dir", str(data_dir),
+               "--seed", str(seed), *extra]
+    epochs = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        for line in process.stdout:  # a line is printed and flushed at each epoch's end
+            epochs.append({**json.loads(line), "time_s": time.time() - start})
+    if process.returncode:
+        raise RuntimeError(f"{shlex.join(command)} exited with {process.returncode}")
+    return {"epochs": epochs, "total_s": time.time() - start}
+
+
+def fit_process(recipe: list[str], data_dir: Path, seed: int, runs_dir: Path, extra: list[str]) -> dict:
+    """``flowers fit`` as a process; each epoch's ``val/acc`` with its time, read from TensorBoard's events."""
+    start = time.time()
+    command = [sys.executable, "-m", "flowers", "fit", *(w for c in recipe for w in ("--config", c)),
+               "--data.data_dir", str(data_dir), "--seed_everything", str(seed),
+               "--trainer.check_val_every_n_epoch=1", "--trainer.enable_progress_bar=false",
+               "--trainer.logger.init_args.save_dir", str(runs_dir), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    total_s = time.time() - start
+    if done.returncode:
+        raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    events = EventAccumulator(str(next(runs_dir.glob("flowers/version_*"))), size_guidance={"scalars": 0})
+    events.Reload()
+    # One point per validation; the HPARAMS record at fit's end repeats the last one at its step.
+    points = list({p.step: p for p in reversed(events.Scalars("val/acc"))}.values())[::-1]
+    epochs = [{"epoch": i + 1, "val_acc": p.value, "time_s": p.wall_time - start} for i, p in enumerate(points)]
+    return {"epochs": epochs, "total_s": total_s}
+
+
+def first_time_at(run: dict, target: float) -> float | None:
+    return next((e["time_s"] for e in run["epochs"] if e["val_acc"] >= target), None)
+
+
+def tta(args: argparse.Namespace) -> dict:
+    """Each recipe, and the tutorial's loop unless ``--no-loop``, as whole processes once per seed."""
+    fit_extra = shlex.split(args.fit_args)
+    names = {" + ".join(recipe): (recipe, []) for recipe in args.recipes}
+    for settings in args.ablate:  # the first recipe with some settings changed
+        names[f"{' + '.join(args.recipes[0])} with {settings}"] = (
+            args.recipes[0], [f"--{setting}" for setting in shlex.split(settings)])
+    with tempfile.TemporaryDirectory(prefix="tta-flowers-") as tmp:
+        data_dir = split_folder(args.data_dir.resolve(), Path(tmp) / "split")
+        warm_up_s = {}
+        for name, (recipe, changes) in names.items():
+            started = time.time()
+            fit_process(recipe, data_dir, 0, Path(tmp) / f"warm-up-{len(warm_up_s)}", [
+                *fit_extra, *changes, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
+                "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=1"])  # validates its one epoch
+            warm_up_s[name] = time.time() - started
+        recipes: dict[str, list[dict]] = {name: [] for name in [LOOP] * (not args.no_loop) + list(names)}
+        for repeat in range(args.repeats):
+            seed = args.seed + repeat
+            for n, name in enumerate(recipes if repeat % 2 == 0 else list(recipes)[::-1]):  # so drift favours none
+                if name == LOOP:
+                    run = loop_process(data_dir, seed, shlex.split(args.loop_args))
+                else:
+                    recipe, changes = names[name]
+                    run = fit_process(recipe, data_dir, seed, Path(tmp) / f"runs-{seed}-{n}", [*fit_extra, *changes])
+                recipes[name].append({"seed": seed, **run})
+                print(f"# seed {seed} {name}: final val acc {run['epochs'][-1]['val_acc']:.3f} in "
+                      f"{run['total_s']:.1f} s", file=sys.stderr, flush=True)
+        train_images, val_images = (sum(1 for p in (data_dir / split).rglob("*") if p.is_file() or p.is_symlink())
+                                    for split in ("train", "val"))
+    if loop := recipes.pop(LOOP, None):  # named by the epochs it ran
+        recipes[f"{LOOP} ({len(loop[0]['epochs'])} epochs)"] = loop
+    config = {"seeds": [args.seed + r for r in range(args.repeats)], "targets": args.targets, "ablate": args.ablate,
+              "fit_args": args.fit_args, "loop_args": args.loop_args, "data_dir": str(args.data_dir),
+              "train_images": train_images, "val_images": val_images, "cpu_count": os.cpu_count()}
+    return {"config": config, "warm_up_s": warm_up_s, "recipes": recipes}
+
+
+# -- the tables -----------------------------------------------------------------------------------
+def grid(rows: list[list[str]], widths: list[int]) -> list[str]:
+    """Rows of cells in columns of these widths: the first column left-aligned, the others right-aligned."""
+    return [" ".join(f"{cell:{'<' if i == 0 else '>'}{width}}" for i, (cell, width) in
+                     enumerate(zip(row, widths, strict=False))).rstrip() for row in rows]
+
+
+def spread(values: list[float], digits: int = 1, unit: str = "") -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.{digits}f}{unit} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def steady(run: dict) -> float:
+    """Train images/s over the epochs after the first (compiling, worker start-up), else over all of them."""
+    later = run["history"][1:] or run["history"]
+    return sum(h["train_images"] for h in later) / sum(h["train_s"] for h in later)
+
+
+def paired(first: list[float], second: list[float]) -> dict:
+    """Differences paired by seed, their mean and the half-width of its 95 % interval (Student's t)."""
+    values = [round(x - y, 6) for x, y in zip(first, second, strict=True)]  # equal accuracies differ by exactly 0
+    half = None
+    if len(values) >= 2:
+        half = (T_975[len(values) - 2] if len(values) <= 31 else 1.960) * statistics.stdev(values) / len(values) ** 0.5
+    return {"per_seed": values, "mean": statistics.mean(values), "half_width": half}
 
 
 def table(report: dict) -> str:
-    rows = [f"{'variant':34} {'train img/s':>22} {'epoch s':>20} {'peak MB':>8} {'img/s÷a':>8} {'time÷a':>7} "
-            f"{'÷floor':>7} {'val acc mean (min–max)':>24}"]
-    base = report["variants"].get("a")
-    for variant, result in report["variants"].items():
-        s = result["summary"]
-        ips, ep = s["train_images_per_s"], s["epoch_s"]
-        ratio = f"{ips['median'] / base['summary']['train_images_per_s']['median']:.3f}" if base else "-"
-        time_ratio = f"{ep['median'] / base['summary']['epoch_s']['median']:.3f}" if base else "-"
-        of_floor = "-" if result["fraction_of_floor"] is None else f"{result['fraction_of_floor']:.1%}"
-        rows.append(f"{label(report, variant):34} {ips['median']:8.1f} ({ips['min']:.1f}–{ips['max']:.1f})"
-                    f" {ep['median']:7.2f} ({ep['min']:.2f}–{ep['max']:.2f}) {s['peak_mb']['median']:8.0f}"
-                    f" {ratio:>8} {time_ratio:>7} {of_floor:>7}"
-                    f" {result['val_acc_mean']:10.3f} ({s['val_acc']['min']:.3f}–{s['val_acc']['max']:.3f})"
-                    f"  [{result['runs'][0]['workers']} workers]")
-    floor, loader, c = report["floor"], report["loader"], report["config"]
-    if c.get("accuracy_only"):
-        rows.append(f"{'floor, loaders alone':34} not measured (--accuracy-only)")
+    c, variants = report["config"], report["variants"]
+    several = c["epochs"] > 1
+    rows = [["variant", "train img/s", "epoch s", "img/s÷a", "time÷a", "÷floor", "val acc mean (min–max)",
+             " img/s after epoch 1" * several]]
+    base = variants.get("a")
+    for variant, result in variants.items():
+        runs, accs = result["runs"], [r["val_acc"] for r in result["runs"]]
+        epoch_s = [r["epoch_s"] for r in runs]
+        rows.append([LABELS.get(variant) or f"{variant} c with {c['ablations'][variant]}",
+                     spread([r["train_images_per_s"] for r in runs]), spread(epoch_s, 2),
+                     f"{result['ratio_to_a']:.3f}" if base else "-",
+                     f"{statistics.median(epoch_s) / base['median_epoch_s']:.3f}" if base else "-",
+                     "-" if result["fraction_of_floor"] is None else f"{result['fraction_of_floor']:.1%}",
+                     f"{statistics.mean(accs):.3f} ({min(accs):.3f}–{max(accs):.3f})",
+                     f" [{runs[0]['workers']} workers]", f" {spread([steady(r) for r in runs])}" * several])
+    lines = grid(rows, [34, 22, 20, 8, 7, 7, 24, 0, 0])
+    if c["accuracy_only"]:
+        lines.append(f"{'floor, loaders alone':34} not measured (--accuracy-only)")
     else:
-        rows.append(f"{'floor: train step on tensors':34} " + ", ".join(
-            f"{name.replace('_channels_last', '+channels_last').replace('_fused', '+fused')} {floor[name]:.1f}"
-            f" ({min(runs):.1f}–{max(runs):.1f})" for name, runs in report["floor_runs"].items()) + " img/s")
-        rows.append(f"{'':34} (÷floor: median over repeats of each run ÷ the floor of its own repeat and settings)")
-        window = c["loader"]
-        rows.append(f"{'loader alone (train)':34} PIL {loader['pil']:.1f}, c's path {loader['cache']:.1f} img/s "
-                    f"({window['cache_path']}; {window['batches']} batches after an untimed one)")
-    rows.append(f"cache build (once): {report['cache_build_s']:.2f} s")
-    rows.append(f"{c['device']}, {c['threads']} threads, batch {c['batch_size']}, {c['image_size']} px, "
-                f"{c['train_images']} train / {c['val_images']} val images, {c['repeats']} repeats of "
-                f"{c['epochs']} epoch(s); val acc after the last epoch, repeat r seeded with {c['seed']} + r")
-    if c.get("network") == "free":
-        rows.append("--network free: every variant and the floor ran a network that costs next to nothing; "
-                    "each figure is its loop's ceiling")
-    return "\n".join(rows)
+        floors = ", ".join(name.replace("_channels_last", "+channels_last").replace("_fused", "+fused")
+                           .replace("_graph", " as a CUDA graph") + f" {spread(values)}"
+                           for name, values in report["floor_runs"].items())
+        loader = report["loader"]
+        lines += [f"{'floor: train step on tensors':34} {floors} img/s",
+                  f"{'':34} (÷floor: median over repeats of each run ÷ the floor of its own repeat and settings)",
+                  f"{'loader alone (train)':34} PIL {loader['pil']:.1f}, c's path {loader['cache']:.1f} img/s "
+                  f"({c['loader']['cache_path']}; {c['loader']['batches']} batches after an untimed one)"]
+    pairs = [(v, "a") for v in variants if base and v != "a"] + [(v, "c") for v in c["ablations"] if "c" in variants]
+    for first, second in pairs if c["repeats"] > 1 else ():
+        d = paired([r["val_acc"] for r in variants[first]["runs"]], [r["val_acc"] for r in variants[second]["runs"]])
+        interval = "" if d["half_width"] is None else f" ± {d['half_width']:.3f} (95 % interval, Student's t)"
+        lines.append(f"val acc {first} − {second}, paired by seed: {d['mean']:+.3f}{interval}; per seed "
+                     + " ".join(f"{x:+.3f}" for x in d["per_seed"]))
+    lines.append(f"cache build (once): {report['cache_build_s']:.2f} s")
+    lines.append(f"{c['device']}, {c['threads']} threads, batch {c['batch_size']}, {c['image_size']} px, "
+                 f"{c['train_images']} train / {c['val_images']} val images, {c['repeats']} repeats of "
+                 f"{c['epochs']} epoch(s); val acc after the last epoch, repeat r seeded with {c['seed']} + r"
+                 + (f"; {c['parallel']} repeats at a time, one process each" if c["parallel"] > 1 else ""))
+    if c["network"] == "free":
+        lines.append("--network free: every variant and the floor ran a network that costs next to nothing; "
+                     "each figure is its loop's ceiling")
+    return "\n".join(lines)
 
 
+def anatomy_table(report: dict, args) -> str:
+    result = report["anatomy"]
+    rows = [["phase (ms per step)", *result]] + [[phase, *(f"{result[v][phase]:.2f}" for v in result)]
+                                                 for phase in ANATOMY]
+    blocking = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
+    return "\n".join(grid(rows, [48] + [9] * len(result)) + [
+        f"{args.anatomy} steps after {args.warmup_batches}, batch {args.batch_size}, {args.image_size} px, on "
+        f"{args.device}: " + ("each phase with its GPU work (CUDA_LAUNCH_BLOCKING=1)" if blocking else
+                              "the host's time, Lightning's simple profiler")])
+
+
+def tta_table(report: dict) -> str:
+    config = report["config"]
+    rows = [["recipe", "final val acc", *(f"time to {t:.2f}" for t in config["targets"]), "total s"]]
+    for name, runs in report["recipes"].items():
+        row = [name, spread([r["epochs"][-1]["val_acc"] for r in runs], 3)]
+        for target in config["targets"]:
+            reached = [t for r in runs if (t := first_time_at(r, target)) is not None]
+            row.append(spread(reached, unit=" s") + ("" if len(reached) == len(runs) else
+                                                     f" [{len(reached)}/{len(runs)}]"))
+        rows.append(row + [spread([r["total_s"] for r in runs], unit=" s")])
+    lines = grid(rows, [48, 22] + [24] * (len(config["targets"]) + 1))
+    lines += [f"warm-up of {name} (builds its cache once, not in the table): {seconds:.1f} s"
+              for name, seconds in report["warm_up_s"].items()]
+    lines.append(f"seeds {config['seeds']}, whole processes, {config['train_images']} train / "
+                 f"{config['val_images']} val images; [k/n]: only k of the n seeds reached that accuracy "
+                 "(median over those k)")
+    return "\n".join(lines)
+
+
+# -- the command ----------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0],
-                                     allow_abbrev=False)
-    parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get("FLOWERS_DATA_DIR") or DEFAULT_DIR),
-                        help=f"a folder of class folders (default: $FLOWERS_DATA_DIR when set, else {DEFAULT_DIR}"
-                             ", from `make data`)")
-    parser.add_argument("--synthetic", action="store_true", help="use the embedded synthetic set instead")
-    parser.add_argument("--synthetic-dir", type=Path, default=Path("data/synthetic"))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=1, help="epochs per run; the val accuracy is the last one's")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="repeat r seeds torch with SEED + r (more seeds: run again with another SEED)")
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--num-workers", type=int, default=None, help="default: the tutorial's min(cpu, batch, 8)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--limit-batches", type=int, default=None, help="batches per epoch (for smoke tests)")
-    parser.add_argument("--floor-steps", type=int, default=20)
-    parser.add_argument("--loader-batches", type=int, default=None,
-                        help="batches timed for the loaders alone (default: one epoch's)")
-    parser.add_argument("--accuracy-only", action="store_true",
-                        help="train and score only: no warm-up, compute floor or loaders alone (accuracy checks)")
-    parser.add_argument("--warmup-batches", type=int, default=3, help="batches of each variant's warm-up run (0: none)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"a subset of {','.join(VARIANTS)} (empty: only the --ablate variants)")
-    parser.add_argument("--network", choices=("alexnet", "free"), default="alexnet",
-                        help="free: a network that costs next to nothing, so each figure is its loop's ceiling")
-    parser.add_argument("--fast-precision", default=None, help="override fast.yaml's precision for c")
-    parser.add_argument("--compile", action="store_true", help="c with torch.compile")
-    parser.add_argument("--ablate", action="append", default=[], metavar="SETTINGS",
-                        help="add a variant: c with these fast.yaml settings changed, e.g. "
-                             "'model.channels_last=false' or 'data.cache=false trainer.precision=32-true'")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the full results here")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("FLOWERS_DATA_DIR") or DEFAULT_DATA),
+                   help=f"class folders (default: $FLOWERS_DATA_DIR when set, else {DEFAULT_DATA}, from `make data`)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each variant, or of each recipe with --tta")
+    p.add_argument("--seed", type=int, default=0, help="repeat r seeds torch with SEED + r")
+    p.add_argument("--epochs", type=int, default=1, help="epochs per run; the val accuracy is the last one's")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--num-workers", type=int, default=None, help="default: the tutorial's min(cpu, batch, 8)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--limit-batches", type=int, default=None, help="batches per epoch (for smoke tests)")
+    p.add_argument("--floor-steps", type=int, default=20)
+    p.add_argument("--graph-floor", action="store_true", help="CUDA: also c's floor as one captured CUDA graph")
+    p.add_argument("--loader-batches", type=int, default=None, help="batches the loaders alone are timed over")
+    p.add_argument("--accuracy-only", action="store_true", help="no warm-up, compute floor or loaders alone")
+    p.add_argument("--parallel", type=int, default=1, help="N repeats at a time, one process each (their speeds "
+                   "are not comparable: implies --accuracy-only)")
+    p.add_argument("--anatomy", type=int, default=None, metavar="STEPS",
+                   help="instead: ms per phase of STEPS training steps of each fit variant, after --warmup-batches")
+    p.add_argument("--warmup-batches", type=int, default=3, help="batches of each variant's warm-up run (0: none)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="a subset (empty: only the --ablate variants)")
+    p.add_argument("--network", choices=("alexnet", "free"), default="alexnet",
+                   help="free: a network that costs next to nothing, so each figure is its loop's ceiling")
+    p.add_argument("--ablate", action="append", default=[], metavar="SETTINGS", help="add c (with --tta: the first "
+                   "recipe) with these `flowers fit` settings changed, e.g. 'data.cache=false model.compile=true'")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", type=Path, default=None, help="also write the full results here")
+    p.add_argument("--tta", action="store_true", help="instead: time to accuracy, whole processes (--data-dir may "
+                   "also hold train/ and val/); the options below are its own")
+    p.add_argument("--recipe", action="append", default=[], metavar="CONFIGS", help="config files for one recipe, "
+                   "space-separated, repeatable (default: configs/tutorial.yaml configs/fast.yaml)")
+    p.add_argument("--targets", default="0.70,0.80", help="accuracies to time, comma-separated")
+    p.add_argument("--no-loop", action="store_true", help="leave out the tutorial's loop")
+    p.add_argument("--fit-args", default="", help="extra `flowers fit` arguments for every recipe (one flag "
+                   "alone needs the = form: --fit-args=--trainer.max_epochs=5)")
+    p.add_argument("--loop-args", default="", help="extra arguments for benchmarks/tutorial_loop.py")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if unknown := set(args.variants) - set(VARIANTS):
-        raise ConfigError(f"--variants {sorted(unknown)} unknown; choose from {', '.join(VARIANTS)}.")
-    args.ablations, args.ablation_labels = {}, {}
-    for number, text in enumerate(args.ablate, start=1):
-        name = f"c{number}"
-        args.ablations[name] = parse_ablation(text)
-        args.ablation_labels[name] = " ".join(text.replace(",", " ").split())
-        args.variants.append(name)
-    if args.repeats < 1 or args.epochs < 1:
-        raise ConfigError(f"--repeats and --epochs must be at least 1, got {args.repeats} and {args.epochs}.")
-    if not args.variants:
-        raise ConfigError("--variants is empty and there is no --ablate: nothing to run.")
-    if args.loader_batches is not None and args.loader_batches < 1:
-        raise ConfigError(f"--loader-batches must be at least 1, got {args.loader_batches}.")
-    if args.accuracy_only:
-        args.warmup_batches = 0
-    if args.synthetic:
-        from flowers.data import synthetic
-
-        args.data_dir = synthetic.ensure_synthetic(args.synthetic_dir)
-    elif not args.data_dir.is_dir():
-        raise ConfigError(f"--data-dir {str(args.data_dir)!r} does not exist; run `make data`, or pass --synthetic.")
+        p.error(f"--variants {sorted(unknown)} unknown; choose from {', '.join(VARIANTS)}.")
+    args.ablations = {f"c{n}": shlex.split(text) for n, text in enumerate(args.ablate, start=1)}
+    args.variants += list(args.ablations)
+    args.recipes = [r.split() for r in args.recipe] or [["configs/tutorial.yaml", "configs/fast.yaml"]]
+    args.targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    if min(args.repeats, args.epochs, args.parallel) < 1:
+        p.error("--repeats, --epochs and --parallel must be at least 1.")
+    if not args.variants and not args.tta:
+        p.error("--variants is empty and there is no --ablate: nothing to run.")
+    if args.accuracy_only or args.parallel > 1:
+        args.accuracy_only, args.warmup_batches = True, 0
+    if not args.data_dir.is_dir():
+        p.error(f"--data-dir {str(args.data_dir)!r} does not exist; run `make data` or set FLOWERS_DATA_DIR.")
     return args
 
 
+def in_parallel(args) -> dict:
+    """Each repeat as a process of its own, ``--parallel`` at a time, sharing the cores; their reports merged."""
+    share = str(max(1, (os.cpu_count() or 1) // args.parallel))
+    with tempfile.TemporaryDirectory(prefix="benchmark-flowers-") as tmp:
+        def one(r: int) -> dict:
+            command = [sys.executable, __file__, *args.argv, "--parallel", "1", "--accuracy-only", "--repeats", "1",
+                       "--seed", str(args.seed + r), "--json", f"{tmp}/{r}.json",
+                       "--threads", str(args.threads or share),
+                       *([] if args.num_workers is not None else ["--num-workers", share])]
+            if code := subprocess.run(command, stdout=subprocess.DEVNULL).returncode:
+                raise SystemExit(f"bench.py: seed {args.seed + r} failed (exit {code}): {shlex.join(command)}")
+            return json.loads(Path(f"{tmp}/{r}.json").read_text())
+
+        with ThreadPoolExecutor(args.parallel) as pool:
+            reports = list(pool.map(one, range(args.repeats)))
+    report = reports[0]
+    for variant, result in report["variants"].items():
+        result["runs"] = [each["variants"][variant]["runs"][0] for each in reports]
+    report["config"].update(repeats=args.repeats, seed=args.seed, parallel=args.parallel)
+    return report
+
+
 def bench(args: argparse.Namespace) -> dict:
+    if args.parallel > 1:
+        return finish(in_parallel(args))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    probe = _datamodule(args)
-    probe.setup("fit")
-    start = time.perf_counter()
-    _datamodule(args, cache=True).setup("fit")  # builds the cache (or finds it) outside the timed runs
-    cache_build_s = time.perf_counter() - start
-    runners = {"a": lambda workdir: run_plain(args, device)}
-    for variant in ("b", "b_cli", "c", *args.ablations):
-        runners[variant] = lambda workdir, v=variant: run_fit(args, device, v, workdir)
-    runs = {v: [] for v in args.variants}
-    floor_runs: dict[str, list[float]] = {}
-    fast_precision = variant_settings(args, "c")["trainer"]["precision"]
-    floor_names = list(dict.fromkeys(_floor_key(args, variant) for variant in args.variants))
-    loader, loader_detail = None, None
     with tempfile.TemporaryDirectory(prefix="benchmark-flowers-") as tmp:
-        warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches, "epochs": 1})
-        for variant in args.variants if args.warmup_batches > 0 else ():
-            # Warm-up: allocator, oneDNN kernel choice, page cache, Lightning's first imports.
-            (run_plain(warm, device) if variant == "a" else run_fit(warm, device, variant, Path(tmp)))
+        workdir = Path(tmp)
+        # A refused setting stops the benchmark before any run.
+        fast, *_ = [fit_cli(args, device, variant, workdir) for variant in ("c", *args.ablations)]
+        start = time.perf_counter()
+        fast.datamodule.setup("fit")  # builds the cache (or finds it) outside the timed runs
+        cache_build_s, data = time.perf_counter() - start, fast.datamodule
+        if args.anatomy:
+            return {"anatomy": anatomy(args, device, workdir)}
+        runs, floor_runs = {v: [] for v in args.variants}, {}
+        if args.warmup_batches > 0:  # allocator, oneDNN's kernel choice, page cache, Lightning's first imports
+            warm = argparse.Namespace(**{**vars(args), "limit_batches": args.warmup_batches, "epochs": 1})
+            for variant in args.variants:
+                (run_plain if variant == "a" else run_fit)(warm, device, variant, workdir)
         for repeat in range(args.repeats):
-            for variant in args.variants if repeat % 2 == 0 else args.variants[::-1]:
+            for variant in args.variants if repeat % 2 == 0 else args.variants[::-1]:  # so drift favours none
                 torch.manual_seed(args.seed + repeat)
-                result = runners[variant](Path(tmp) / f"{variant}-{repeat}")
+                result = (run_plain if variant == "a" else run_fit)(args, device, variant,
+                                                                    workdir / f"{variant}-{repeat}")
                 result["train_images_per_s"] = result["train_images"] / result["train_s"]
                 runs[variant].append(result)
                 print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
@@ -569,56 +610,52 @@ def bench(args: argparse.Namespace) -> dict:
                       f"{result['history'][-1]['train_loss']:.4f}", file=sys.stderr, flush=True)
             if args.accuracy_only:
                 continue
-            floor_now = compute_floor(args, device, probe.num_classes, floor_names)
+            # Each run against its own repeat's floor: a shared machine drifts by ±15 % over minutes.
+            keys = {v: floor_key(runs[v][-1]["used"]) if v != "a" else "fp32" for v in args.variants}
+            names = list(dict.fromkeys(keys.values()))
+            names += [keys["c"] + "_graph"] if args.graph_floor and device.type == "cuda" and "c" in keys else []
+            # Only the floors the variants use: an emulated bf16 floor alone takes minutes without native bf16.
+            floor_now = {name: compute_floor(args, device, data.num_classes, name) for name in names}
             for name, value in floor_now.items():
                 floor_runs.setdefault(name, []).append(value)
             for variant in args.variants:
-                key = _floor_key(args, variant)
-                runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[key]
+                runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[
+                    keys[variant]]
             print(f"# repeat {repeat + 1}/{args.repeats} floor: " + ", ".join(
                 f"{name} {value:.1f}" for name, value in floor_now.items()) + " img/s", file=sys.stderr, flush=True)
-        if not args.accuracy_only:
-            loader, loader_detail = loader_alone(args, device, Path(tmp))
-    floor = {name: statistics.median(values) for name, values in floor_runs.items()}
-    report = {
-        "config": {"device": str(device), "threads": torch.get_num_threads(), "workers": probe.num_workers,
-                   "batch_size": args.batch_size, "image_size": args.image_size, "repeats": args.repeats,
-                   "limit_batches": args.limit_batches, "epochs": args.epochs, "seed": args.seed,
-                   "data_dir": str(args.data_dir),
-                   "train_images": len(probe.train_set), "val_images": len(probe.val_set),
-                   "num_classes": probe.num_classes,
-                   "fast_precision": fast_precision, "compile": args.compile, "ablations": args.ablation_labels,
-                   "network": args.network, "accuracy_only": args.accuracy_only, "loader": loader_detail,
-                   "torch": torch.__version__,
-                   "lightning": L.__version__, "cpu_count": os.cpu_count()},
-        "cache_build_s": cache_build_s,
-        "floor": floor,
-        "floor_runs": floor_runs,
-        "loader": loader,
-        "variants": {},
-    }
-    base = statistics.median(r["train_images_per_s"] for r in runs["a"]) if "a" in runs else None
-    for variant, results in runs.items():
-        summary = summarise(results)
-        ips = summary["train_images_per_s"]["median"]
-        report["variants"][variant] = {
-            "runs": results, "summary": summary,
-            "ratio_to_a": ips / base if base else None,
-            "fraction_of_floor": None if args.accuracy_only else statistics.median(
-                r["fraction_of_floor"] for r in results),
-            "val_acc_mean": statistics.mean(r["val_acc"] for r in results),
-        }
+        loader, detail = (None, None) if args.accuracy_only else loader_alone(args, device, workdir)
+    config = {"device": str(device), "threads": torch.get_num_threads(), "batch_size": args.batch_size,
+              "image_size": args.image_size, "repeats": args.repeats, "limit_batches": args.limit_batches,
+              "epochs": args.epochs, "seed": args.seed, "parallel": 1, "data_dir": str(args.data_dir),
+              "train_images": len(data.train_set), "val_images": len(data.val_set), "num_classes": data.num_classes,
+              "fast_precision": fast.config["trainer"]["precision"],
+              "ablations": {name: " ".join(words) for name, words in args.ablations.items()},
+              "network": args.network, "accuracy_only": args.accuracy_only, "loader": detail,
+              "torch": torch.__version__, "lightning": L.__version__, "cpu_count": os.cpu_count()}
+    return finish({"config": config, "cache_build_s": cache_build_s, "floor_runs": floor_runs, "loader": loader,
+                   "variants": {variant: {"runs": results} for variant, results in runs.items()}})
+
+
+def finish(report: dict) -> dict:
+    """The medians and ratios of the table and --json, from the runs."""
+    report["floor"] = {name: statistics.median(values) for name, values in report["floor_runs"].items()}
+    for result in report["variants"].values():
+        runs = result["runs"]
+        result["median_ips"] = statistics.median(r["train_images_per_s"] for r in runs)
+        result["median_epoch_s"] = statistics.median(r["epoch_s"] for r in runs)
+        result["val_acc_mean"] = statistics.mean(r["val_acc"] for r in runs)
+        result["fraction_of_floor"] = None if report["config"]["accuracy_only"] else statistics.median(
+            r["fraction_of_floor"] for r in runs)
+    base = report["variants"].get("a")
+    for result in report["variants"].values():
+        result["ratio_to_a"] = result["median_ips"] / base["median_ips"] if base else None
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-        report = bench(args)
-    except FlowersError as error:
-        print(f"bench.py: error: {error}", file=sys.stderr)
-        return 2
-    print(table(report))
+    args = parse_args(argv)
+    report = tta(args) if args.tta else bench(args)
+    print(tta_table(report) if args.tta else anatomy_table(report, args) if args.anatomy else table(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,30 +1,19 @@
 """``python benchmarks/serve_load.py``: latency and throughput of ``flowers serve`` under concurrent clients.
 
-With ``--ckpt_path``, it starts one server per batch window (``--windows 0,5``, in ms) on free ports of 127.0.0.1,
-waits for each to load its model, and stops them all at the end; with ``--url``, it measures a server already
-running. Each of ``--clients`` threads keeps one HTTP connection open and sends its share of ``--requests`` JPEGs,
-one after the other, each as soon as the previous answer came: a fixed amount of work, every request with a
-timeout, so a run ends by itself. ``--warmup`` requests first go unmeasured.
+With ``--ckpt_path``, one server per batch window (``--windows 0,5``, ms) on free ports of 127.0.0.1, stopped at the
+end; with ``--url``, a server already running. Each of ``--clients`` threads keeps one connection and sends its share
+of ``--requests`` JPEGs (8 synthetic flowers of 240 px) one after the other, after 16 unmeasured ones. Per window:
+p50 and p99 latency, requests/s, errors and the answers' ``X-Batch-Size``; ``--repeats`` alternate the windows' order.
 
-Reported per window: p50 and p99 latency, requests per second (all requests over the wall time from the first sent
-to the last answered), errors (any answer but 200, or no answer), and the batch sizes the server reported in each
-answer's ``X-Batch-Size``. With ``--repeats`` above 1, the windows run in alternating order (0 5, 5 0, …) and the
-table gives medians with min–max.
-
-The photos are ``--images`` (a folder, searched recursively for .jpg/.jpeg/.png) or, by default, 8 synthetic flowers
-drawn at ``--image-side`` px and saved as JPEG, as a phone would send a downscaled photo.
-
-``--decode`` starts no server: it decodes the largest images an upload may be as the HTTP process does, each in a
-fresh process, and reports the estimate the decode budget counts, the peak memory, what stays after and the time.
-``--draft-check FOLDER --ckpt_path CKPT`` scores each JPEG of the folder decoded whole (as ``predict`` reads it) and
-decoded reduced (as the server reads a large JPEG), and reports how often the top class and by how much the
-probabilities change; ``--upscale N`` first enlarges each photo N times, as a phone photo is larger than the model's
-side by far.
+``--decode`` decodes the largest uploads as the HTTP process does, each in a fresh process (no server), squashed to
+224 px. ``--draft-check FOLDER --ckpt_path CKPT`` compares the predictions for each JPEG decoded whole and decoded
+reduced (as the server decodes a large JPEG); ``--upscale N`` enlarges each photo N times first, as phone photos are.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import io
 import json
@@ -43,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+WARMUP, TIMEOUT_S, SIDE = 16, 30.0, 224  # unmeasured requests per run; seconds a request may take; --decode's side
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n")[0],
@@ -51,18 +42,13 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--ckpt_path", help="serve this checkpoint or export, once per window")
     target.add_argument("--url", help="measure a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--decode", action="store_true", help="measure the decode of the largest uploads (no server)")
-    target.add_argument("--decode-one", nargs=2, metavar=("IMAGE", "SIDE"), help=argparse.SUPPRESS)
+    target.add_argument("--decode-one", metavar="IMAGE", help=argparse.SUPPRESS)
     p.add_argument("--windows", default="0,5", help="batch windows in ms, comma-separated (with --ckpt_path)")
     p.add_argument("--max-batch-size", type=int, default=16, help="the servers' --max_batch_size")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients, one connection each")
     p.add_argument("--requests", type=int, default=400, help="measured requests per run, over all clients")
-    p.add_argument("--warmup", type=int, default=16, help="unmeasured requests before each run")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--images", type=Path, help="a folder of photos to send (default: synthetic flowers)")
-    p.add_argument("--image-side", type=int, default=240, help="side of the synthetic flowers, in px")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds one request may take")
     p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--side", type=int, default=224, help="with --decode: the model's side the uploads are squashed to")
     p.add_argument("--draft-check", type=Path, metavar="FOLDER",
                    help="with --ckpt_path, start no server: compare predictions for the JPEGs in FOLDER decoded whole "
                         "and reduced")
@@ -70,80 +56,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def photos(folder: Path | None, side: int) -> list[bytes]:
-    if folder:
-        files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".jpg", ".jpeg", ".png"))[:64]
-        if not files:
-            raise SystemExit(f"no .jpg/.jpeg/.png under {folder}")
-        return [f.read_bytes() for f in files]
+def photos() -> list[bytes]:
     from flowers.data.synthetic import draw_flower
 
-    rng = np.random.default_rng(0)
-    encoded = []
+    rng, encoded = np.random.default_rng(0), []
     for i in range(8):
         buffer = io.BytesIO()
-        draw_flower(i % 5, rng, size=side).save(buffer, "JPEG", quality=90)
+        draw_flower(i % 5, rng, size=240).save(buffer, "JPEG", quality=90)
         encoded.append(buffer.getvalue())
     return encoded
 
 
-def cpu() -> dict:
-    """The CPU's model name and the vector/matrix extensions that decide CPU inference speed."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {"model": "unknown", "flags": [], "cores": os.cpu_count()}
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"model": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
+def cpu() -> str:
+    """The CPU's model, its extensions that decide inference speed, and its cores."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = {k.strip(): v for k, v in (line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)}
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in fields.get("flags", "").split()]
+    return f"{fields.get('model name', ' unknown').strip()} ({', '.join(flags) or 'no avx2'}), {os.cpu_count()} cores"
 
 
-class Server:
-    """``python -m flowers serve`` on a free port of 127.0.0.1, in its own process group."""
-
-    def __init__(self, ckpt_path: str, window_ms: float, max_batch_size: int) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "flowers", "serve", "--ckpt_path", ckpt_path, "--port", str(self.port),
-                   "--batch_window_ms", str(window_ms), "--max_batch_size", str(max_batch_size)]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"flowers serve exited with {self.process.returncode}: see {self.log.name}")
-            try:
-                if get(self.url, "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"flowers serve was not ready within {timeout} s: see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+def connect(url: str, timeout: float = TIMEOUT_S) -> http.client.HTTPConnection:
+    parts = urllib.parse.urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
 
 
 def get(url: str, path: str) -> tuple[int, bytes]:
-    parts = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    connection = connect(url, timeout=10)
     try:
         connection.request("GET", path)
         response = connection.getresponse()
@@ -152,34 +90,66 @@ def get(url: str, path: str) -> tuple[int, bytes]:
         connection.close()
 
 
-def load(url: str, images: list[bytes], requests: int, clients: int, timeout: float) -> dict:
+class Server:
+    """``python -m flowers serve`` on a free port of 127.0.0.1, in its own process group."""
+
+    def __init__(self, ckpt_path: str, window_ms: float, max_batch_size: int) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="serve-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "flowers", "serve", "--ckpt_path", ckpt_path, "--port", str(port),
+                   "--batch_window_ms", str(window_ms), "--max_batch_size", str(max_batch_size)]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"flowers serve exited with {self.process.returncode}: see {self.log.name}")
+            with contextlib.suppress(OSError):
+                if get(self.url, "/health")[0] == 200:
+                    return
+            time.sleep(0.2)
+        raise SystemExit(f"flowers serve was not ready within {timeout} s: see {self.log.name}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # the server's own workers too
+        self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def load(url: str, images: list[bytes], requests: int, clients: int) -> dict:
     """``requests`` POSTs from ``clients`` threads, each on its own keep-alive connection."""
-    parts = urllib.parse.urlsplit(url)
     shares = [requests // clients + (i < requests % clients) for i in range(clients)]
-    latencies: list[list[float]] = [[] for _ in range(clients)]
-    errors: list[list[str]] = [[] for _ in range(clients)]
-    sizes: list[Counter] = [Counter() for _ in range(clients)]
+    latencies, errors, sizes = [], [], []  # list.append is atomic: the threads share them
     start = threading.Barrier(clients + 1)
 
     def client(index: int) -> None:
-        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        connection = connect(url)
         start.wait()
         for n in range(shares[index]):
-            body = images[(index + n * clients) % len(images)]
             sent = time.perf_counter()
             try:
-                connection.request("POST", "/predict", body, {"Content-Type": "image/jpeg"})
+                connection.request("POST", "/predict", images[(index + n * clients) % len(images)],
+                                    {"Content-Type": "image/jpeg"})
                 response = connection.getresponse()
                 answer = response.read()
             except OSError as failure:
-                errors[index].append(f"{type(failure).__name__}: {failure}")
+                errors.append(f"{type(failure).__name__}: {failure}")
                 connection.close()
-                connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+                connection = connect(url)
                 continue
-            latencies[index].append(time.perf_counter() - sent)
+            latencies.append(time.perf_counter() - sent)
             if response.status != 200:
-                errors[index].append(f"HTTP {response.status}: {answer[:200]!r}")
-            sizes[index][int(response.getheader("X-Batch-Size", "0"))] += 1
+                errors.append(f"HTTP {response.status}: {answer[:200]!r}")
+            sizes.append(int(response.getheader("X-Batch-Size", "0")))
         connection.close()
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
@@ -190,25 +160,15 @@ def load(url: str, images: list[bytes], requests: int, clients: int, timeout: fl
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - began
-    every = sorted(x for per_client in latencies for x in per_client)
-    failures = [e for per_client in errors for e in per_client]
-    return {
-        "clients": clients, "requests": requests, "errors": len(failures), "first_errors": failures[:3],
-        "p50_ms": 1000 * _quantile(every, 0.50), "p99_ms": 1000 * _quantile(every, 0.99),
-        "requests_per_s": requests / wall, "wall_s": wall,
-        "batch_sizes": {str(k): v for k, v in sorted(sum(sizes, Counter()).items())},
-    }
-
-
-def _quantile(values: list[float], q: float) -> float:
-    return float(np.quantile(values, q)) if values else float("nan")
+    p50, p99 = (1000 * float(np.quantile(latencies, q)) if latencies else float("nan") for q in (0.5, 0.99))
+    return {"clients": clients, "requests": requests, "errors": len(errors), "first_errors": errors[:3],
+            "p50_ms": p50, "p99_ms": p99, "requests_per_s": requests / wall, "wall_s": wall,
+            "batch_sizes": {str(k): v for k, v in sorted(Counter(sizes).items())}}
 
 
 def spread(values: list[float], digits: int = 1) -> str:
-    median = statistics.median(values)
-    if len(values) == 1:
-        return f"{median:.{digits}f}"
-    return f"{median:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    median = f"{statistics.median(values):.{digits}f}"
+    return median if len(values) == 1 else f"{median} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def table(runs: list[dict]) -> str:
@@ -233,25 +193,24 @@ def largest_uploads(folder: Path) -> dict[str, Path]:
 
     from PIL import Image
 
-    def png(width: int, height: int, depth: int, color: int, row: bytes) -> bytes:
+    def png(side: int, depth: int, color: int, row: bytes) -> bytes:
         def chunk(kind: bytes, data: bytes) -> bytes:
             return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
         packer = zlib.compressobj(6)
-        data = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
-        header = struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0)
+        data = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+        header = struct.pack(">IIBBBBB", side, side, depth, color, 0, 0, 0)
         return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
 
-    ramp = np.arange(9400)
-    files = {
-        "16-bit grayscale PNG, 9,400 x 9,400": png(9400, 9400, 16, 0, b"\x00" + (ramp * 7).astype(">u2").tobytes()),
-        "1-bit PNG, 9,400 x 9,400": png(9400, 9400, 1, 0, b"\x00" + b"\xaa" * 1175),
-        "RGB PNG, 9,400 x 9,400": png(9400, 9400, 8, 2, b"\x00" + np.repeat(ramp % 256, 3).astype(np.uint8).tobytes()),
-        "RGBA PNG, 7,400 x 7,400": png(7400, 7400, 8, 6, b"\x00" + np.repeat(ramp[:7400] % 256, 4).astype(np.uint8)
-                                       .tobytes()),
-        "RGBA PNG, 9,400 x 9,400": png(9400, 9400, 8, 6, b"\x00" + np.repeat(ramp % 256, 4).astype(np.uint8)
-                                       .tobytes()),
-    }
+    def ramp(side: int, channels: int) -> bytes:  # one filter byte, then the row's pixels
+        return b"\x00" + np.repeat(np.arange(side) % 256, channels).astype(np.uint8).tobytes()
+
+    files = {"16-bit grayscale PNG, 9,400 x 9,400": png(9400, 16, 0, b"\x00" + (np.arange(9400) * 7).astype(">u2")
+                                                        .tobytes()),
+             "1-bit PNG, 9,400 x 9,400": png(9400, 1, 0, b"\x00" + b"\xaa" * 1175),
+             "RGB PNG, 9,400 x 9,400": png(9400, 8, 2, ramp(9400, 3)),
+             "RGBA PNG, 7,400 x 7,400": png(7400, 8, 6, ramp(7400, 4)),
+             "RGBA PNG, 9,400 x 9,400": png(9400, 8, 6, ramp(9400, 4))}
     paths = {}
     for name, data in files.items():
         paths[name] = folder / f"{len(paths)}.png"
@@ -266,7 +225,7 @@ def largest_uploads(folder: Path) -> dict[str, Path]:
     return paths
 
 
-def decode_one(path: str, side: int) -> dict:
+def decode_one(path: str) -> dict:
     """In this fresh process: decode ``path`` as the HTTP process does, in a thread, and measure it."""
     from flowers.serve.uploads import BadImage, open_upload, return_large_frees, square_of
 
@@ -282,9 +241,9 @@ def decode_one(path: str, side: int) -> dict:
 
     def run() -> None:
         try:
-            image, cost = open_upload(data, side)
+            image, cost = open_upload(data, SIDE)
             result["estimate_mib"] = cost / 2**20
-            square_of(image, side)
+            square_of(image, SIDE)
         except BadImage as refused:
             result["refused"] = refused.status
 
@@ -297,32 +256,29 @@ def decode_one(path: str, side: int) -> dict:
     return result
 
 
-def decode_table(side: int, budget_mib: float = 512) -> str:
-    lines = ["| upload | file | estimate (MiB) | peak (MiB) | kept after (MiB) | seconds |",
-             "|---|---|---|---|---|---|"]
-    print("\n".join(lines), flush=True)
+def decode_table(budget_mib: float = 512) -> None:
+    print(f"\nsquashed to {SIDE} px\n\n| upload | file | estimate (MiB) | peak (MiB) | kept after (MiB) | seconds |\n"
+          "|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         for name, path in largest_uploads(Path(folder)).items():
-            out = subprocess.run([sys.executable, __file__, "--decode-one", str(path), str(side)],
+            out = subprocess.run([sys.executable, __file__, "--decode-one", str(path)],
                                  capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             refused = " (over the default budget: 413)" if r["estimate_mib"] > budget_mib else ""
-            lines.append(f"| {name}{refused} | {r['bytes'] / 1e6:.2f} MB | {r['estimate_mib']:.0f} "
-                         f"| {r['peak_mib']:.0f} | {r['kept_mib']:.0f} | {r['seconds']:.2f} |")
-            print(lines[-1], flush=True)
-    return "\n".join(lines)
+            print(f"| {name}{refused} | {r['bytes'] / 1e6:.2f} MB | {r['estimate_mib']:.0f} | {r['peak_mib']:.0f} "
+                  f"| {r['kept_mib']:.0f} | {r['seconds']:.2f} |", flush=True)
 
 
 def draft_check(folder: Path, ckpt_path: str, upscale: float) -> str:
     """Top class and probabilities of the JPEGs in ``folder``, decoded whole and reduced."""
-    import io
-
     import torch
-    from PIL import Image
+    from PIL import Image, ImageOps
 
-    from flowers.data.images import load_rgb_bytes
     from flowers.serve.model import Predictor, describe
     from flowers.serve.uploads import decode_upload
+
+    def load_rgb_bytes(data: bytes) -> Image.Image:  # as predict reads a photo: EXIF rotation applied
+        return ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
 
     source = describe(ckpt_path)
     predictor, side = Predictor(source), source.image_size
@@ -331,8 +287,7 @@ def draft_check(folder: Path, ckpt_path: str, upscale: float) -> str:
     for file in files:
         data = file.read_bytes()
         if upscale != 1:
-            image = load_rgb_bytes(data)
-            buffer = io.BytesIO()
+            image, buffer = load_rgb_bytes(data), io.BytesIO()
             image.resize((round(image.width * upscale), round(image.height * upscale)),
                          Image.Resampling.LANCZOS).save(buffer, "JPEG", quality=92)
             data = buffer.getvalue()
@@ -349,41 +304,24 @@ def draft_check(folder: Path, ckpt_path: str, upscale: float) -> str:
             f"99th percentile {p99:.4f}, max {deltas[-1]:.4f}")
 
 
-def main(args: list[str] | None = None) -> int:
-    options = parser().parse_args(args)
-    if options.decode_one:
-        print(json.dumps(decode_one(options.decode_one[0], int(options.decode_one[1]))))
-        return 0
-    if options.decode or options.draft_check:
-        machine = cpu()
-        print(f"{machine['model']} ({', '.join(machine['flags']) or 'no avx2'}), {machine['cores']} cores")
-        if options.draft_check:
-            if not options.ckpt_path:
-                raise SystemExit("--draft-check needs --ckpt_path: the model to score the photos with")
-            print(draft_check(options.draft_check, options.ckpt_path, options.upscale))
-        if options.decode:
-            print(f"\nsquashed to {options.side} px\n")
-            decode_table(options.side)
-        return 0
-    images = photos(options.images, options.image_side)
+def serve_and_load(options: argparse.Namespace, images: list[bytes]) -> list[dict]:
+    """Each window's runs, the windows in alternating order from one repeat to the next."""
     servers: dict[float, Server] = {}
     try:
         if options.url:
             info = json.loads(get(options.url, "/info")[1])
             urls = {float(info.get("batch_window_ms", float("nan"))): options.url.rstrip("/")}
         else:
-            windows = [float(w) for w in options.windows.split(",")]
-            servers = {w: Server(options.ckpt_path, w, options.max_batch_size) for w in windows}
+            servers = {float(w): Server(options.ckpt_path, float(w), options.max_batch_size)
+                       for w in options.windows.split(",")}
             for server in servers.values():
                 server.wait_ready()
             urls = {w: server.url for w, server in servers.items()}
         runs = []
         for repeat in range(options.repeats):
-            order = list(urls) if repeat % 2 == 0 else list(reversed(urls))
-            for window in order:
-                if options.warmup:
-                    load(urls[window], images, options.warmup, min(options.clients, options.warmup), options.timeout)
-                run = load(urls[window], images, options.requests, options.clients, options.timeout)
+            for window in list(urls) if repeat % 2 == 0 else list(reversed(urls)):
+                load(urls[window], images, WARMUP, min(options.clients, WARMUP))
+                run = load(urls[window], images, options.requests, options.clients)
                 runs.append({"window_ms": window, "repeat": repeat, **run})
                 print(f"window {window:g} ms, repeat {repeat + 1}: p50 {run['p50_ms']:.1f} ms, p99 "
                       f"{run['p99_ms']:.1f} ms, {run['requests_per_s']:.0f} requests/s, {run['errors']} errors "
@@ -391,14 +329,30 @@ def main(args: list[str] | None = None) -> int:
     finally:
         for server in servers.values():
             server.stop()
-    runs.sort(key=lambda run: (run["window_ms"], run["repeat"]))
-    machine = cpu()
-    print(f"\n{machine['model']} ({', '.join(machine['flags']) or 'no avx2'}), {machine['cores']} cores; "
-          f"{len(images)} JPEGs of {sum(map(len, images)) // len(images) // 1000} kB on average\n")
+    return sorted(runs, key=lambda run: (run["window_ms"], run["repeat"]))
+
+
+def main(args: list[str] | None = None) -> int:
+    options = parser().parse_args(args)
+    if options.decode_one:
+        print(json.dumps(decode_one(options.decode_one)))
+        return 0
+    if options.decode or options.draft_check:
+        print(cpu())
+        if options.draft_check and not options.ckpt_path:
+            raise SystemExit("--draft-check needs --ckpt_path: the model to score the photos with")
+        if options.draft_check:
+            print(draft_check(options.draft_check, options.ckpt_path, options.upscale))
+        if options.decode:
+            decode_table()
+        return 0
+    images = photos()
+    runs = serve_and_load(options, images)
+    print(f"\n{cpu()}; {len(images)} JPEGs of {sum(map(len, images)) // len(images) // 1000} kB on average\n")
     print(table(runs))
     if options.json:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items()}
-        options.json.write_text(json.dumps({"config": config, "cpu": machine, "runs": runs}, indent=2) + "\n")
+        options.json.write_text(json.dumps({"config": config, "cpu": cpu(), "runs": runs}, indent=2) + "\n")
     return 1 if any(run["errors"] for run in runs) else 0
 
 

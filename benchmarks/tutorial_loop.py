@@ -2,10 +2,9 @@
 whole process, the reference that time-to-accuracy figures are compared with.
 
 What the tutorial does: ``ImageFolder`` on ``DIR/train`` and ``DIR/val``, its transforms, batch 32,
-``min(cpu_count, batch, 8)`` loader workers, Adam at 2e-4, a train epoch, then counting correct top-1
-predictions on the validation set. Its bugs are left out (flowers never has them): the running loss is
-averaged over the epoch. Each epoch prints one JSON line: the epoch, the validation accuracy, the mean
-train loss and the seconds since the process started (imports included).
+``min(cpu_count, batch, 8)`` loader workers, Adam at 2e-4, a train epoch, then counting correct top-1 predictions on
+the validation set, less its bugs (the running loss is averaged over the epoch). Each epoch prints one JSON line: the
+epoch, the validation accuracy, the mean train loss and the seconds since the process started (imports included).
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import datasets  # noqa: E402
 
+from flowers.alexnet import AlexNet  # noqa: E402
 from flowers.data.transforms import eval_transform, train_transform  # noqa: E402
-from flowers.model import AlexNet  # noqa: E402
 from flowers.module import TUTORIAL_LR  # noqa: E402
 
 

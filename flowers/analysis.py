@@ -9,12 +9,10 @@ The API behind ``notebooks/explore_checkpoints.ipynb``::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from torch.utils.data import DataLoader
 from torchmetrics.classification import (
     MulticlassAccuracy,
@@ -27,7 +25,7 @@ from flowers import inference
 from flowers.checkpoint_reader import read
 from flowers.data import FlowerDataModule
 from flowers.data.datasets import UnlabelledImages
-from flowers.data.transforms import eval_transform
+from flowers.inference import eval_transform_of
 from flowers.module import FlowerClassifier
 from flowers.predictions import prediction_rows
 from flowers.runs import CONFIG, find_checkpoints, newest_best_checkpoint, run_dir_of
@@ -36,15 +34,9 @@ __all__ = ["Evaluation", "compare_checkpoints", "datamodule_for", "eval_transfor
            "image_size_of", "load", "newest_best_checkpoint", "per_epoch", "predict", "read_scalars", "run_config",
            "run_dir_of"]
 
-# The run's data settings worth reusing to rebuild its validation split (not loaders or predict inputs).
-DATA_KEYS = ("data_dir", "val_split", "split_seed", "image_size", "eval_image_size", "eval_batch_size", "batch_size",
-             "synthetic_dir", "synthetic_per_class", "synthetic_size")
-
-
 def run_config(ckpt: str | Path) -> dict:
     """The run's ``config.yaml`` as a dict, or ``{}`` when the checkpoint was moved away from its run."""
-    path = run_dir_of(ckpt) / CONFIG
-    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return inference.read_run_config(run_dir_of(ckpt) / CONFIG)
 
 
 def image_size_of(ckpt: str | Path) -> int:
@@ -65,8 +57,8 @@ def datamodule_for(ckpt: str | Path, model: FlowerClassifier, **overrides) -> Fl
     """The run's data (its ``config.yaml`` settings: folder, split, image size), for the model's classes and
     normalisation."""
     data = run_config(ckpt).get("data", {})
-    settings = {k: data[k] for k in DATA_KEYS if data.get(k) is not None}
-    mean, std = model.normalization()  # the model's own, whatever the config file says
+    settings = {k: data[k] for k in FlowerDataModule.SPLIT_SETTINGS if data.get(k) is not None}
+    mean, std = model.normalisation()  # the model's own, whatever the config file says
     if model.hparams.get("eval_image_size"):
         settings["eval_image_size"] = model.hparams.eval_image_size
     # num_workers=0: in-process loading, as a notebook gains little from workers.
@@ -124,19 +116,12 @@ def evaluate(model: FlowerClassifier, datamodule: FlowerDataModule, stage: str =
     )
 
 
-def eval_transform_of(model: FlowerClassifier, image_size: int) -> Callable:
-    """The evaluation transform a model was trained for: its normalisation, squashed to ``image_size``."""
-    mean, std = model.normalization()
-    return eval_transform(crop_size=image_size, mean=mean, std=std)
-
-
 @torch.inference_mode()
 def predict(model: FlowerClassifier, paths: list[str | Path], *, top_k: int = 3, image_size: int | None = None,
             batch_size: int = 32) -> list[dict]:
     """One row per file, as ``predict --predictions.format json`` writes: path, prediction, probs, top_k, error.
     ``image_size``: the side to evaluate at; unset, the model's own (``eval_image_size``), else 224."""
-    size = image_size or model.hparams.get("eval_image_size") or inference.DEFAULT_IMAGE_SIZE
-    dataset = UnlabelledImages([str(p) for p in paths], eval_transform_of(model, size))
+    dataset = UnlabelledImages([str(p) for p in paths], eval_transform_of(model, image_size))
     device = next(model.parameters()).device
     outputs = []
     for images, indices, errors in DataLoader(dataset, batch_size=batch_size, shuffle=False):
@@ -149,11 +134,10 @@ def compare_checkpoints(folder: str | Path, datamodule: FlowerDataModule | None 
     """Val accuracy of every checkpoint in ``folder``, each scored on the same split (the first one's run data)."""
     rows = []
     for ckpt in sorted(Path(folder).glob("*.ckpt")):
-        model, _, _ = load(ckpt)
-        datamodule = datamodule or datamodule_for(ckpt, model)
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
-        result = evaluate(model, datamodule)
-        rows.append({"checkpoint": ckpt.name, "epoch": state.get("epoch"), "step": state.get("global_step"),
+        ready = inference.load(ckpt, flag="checkpoint")
+        datamodule = datamodule or datamodule_for(ckpt, ready.model)
+        result = evaluate(ready.model, datamodule)
+        rows.append({"checkpoint": ckpt.name, "epoch": ready.epoch, "step": ready.global_step,
                      "val_acc": result.accuracy, "val_acc_macro": result.accuracy_macro})
     return rows
 

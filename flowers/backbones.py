@@ -16,10 +16,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchvision import models
 
+from flowers.alexnet import AlexNet
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 from flowers.errors import ConfigError
 from flowers.files import special_kind
-from flowers.model import AlexNet
 
 TUTORIAL_ALEXNET = "tutorial_alexnet"  # not "alexnet": that name is torchvision's full-width model
 # torchvision builders whose training forward returns auxiliary outputs as well as the logits.
@@ -125,6 +125,11 @@ def _read_named(backbone: str, weights: str) -> dict[str, torch.Tensor]:
         ) from None
 
 
+def network_weights(module_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The network's tensors in a FlowerClassifier's state_dict (its ``net.`` entries), as the network names them."""
+    return {k.removeprefix("net."): v for k, v in module_state.items() if k.startswith("net.")}
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """A state_dict file (``torch.save(net.state_dict())``), or the network inside a flowers checkpoint."""
     file = Path(path).expanduser()
@@ -139,7 +144,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     except Exception as error:  # a foreign or truncated file surfaces as a deep unpickling error
         raise ConfigError(f"--model.weights {str(path)!r} cannot be read as a state_dict file ({error}).") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):  # a Lightning checkpoint
-        state = {k.removeprefix("net."): v for k, v in state["state_dict"].items() if k.startswith("net.")}
+        state = network_weights(state["state_dict"])
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"--model.weights {str(path)!r} holds no state_dict (a mapping of names to tensors).")
     return state

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import lightning as L
@@ -14,16 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from flowers import lightning_internals, runs
-from flowers.data.datasets import CachedImages, LabelledImages
 from flowers.figures import confusion_matrix_image, prediction_grid
-from flowers.files import atomic_write_text
 
 LR_FINDER_PLOT = "lr_finder.png"
-
-
-def write_class_indices(path: Path, class_names: list[str]) -> None:
-    """The tutorial's ``class_indices.json``: ``{"0": "daisy", …}``."""
-    atomic_write_text(path, json.dumps({str(i): name for i, name in enumerate(class_names)}, indent=4) + "\n")
 
 
 class ClassIndicesWriter(L.Callback):
@@ -33,7 +25,7 @@ class ClassIndicesWriter(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         checkpoint = trainer.checkpoint_callback
         folder = Path(checkpoint.dirpath) if checkpoint and checkpoint.dirpath else Path(trainer.default_root_dir)
-        write_class_indices(folder / runs.CLASS_INDICES, pl_module.class_names)
+        runs.write_class_indices(folder / runs.CLASS_INDICES, pl_module.class_names)
 
 
 def _tensorboard(trainer: L.Trainer) -> TensorBoardLogger | None:
@@ -160,9 +152,8 @@ class TensorBoardPictures(L.Callback):
 
 
 def _data_params(datamodule) -> dict:
-    # FlowerDataModule keeps no hparams (its class_names would clash with the model's), so pick the settings
-    # that change results by hand.
-    keys = ("data_dir", "image_size", "eval_image_size", "batch_size", "val_split", "split_seed")
+    # FlowerDataModule keeps no hparams (its class_names would clash with the model's): it declares what to log.
+    keys = getattr(datamodule, "LOGGED_SETTINGS", ())
     return {k: str(v) if isinstance(v, Path) else v for k in keys if (v := getattr(datamodule, k, None)) is not None}
 
 
@@ -177,11 +168,8 @@ def _counts_markdown(counts: dict[str, dict[str, int]]) -> str:
 
 def _labels(dataset) -> list[int] | None:
     """The class of each item of a flowers labelled dataset, read without loading an image; None for another."""
-    if isinstance(dataset, CachedImages):
-        return list(dataset.labels)
-    if isinstance(dataset, LabelledImages):
-        return [sample.label for sample in dataset.samples]
-    return None
+    labels = getattr(dataset, "labels", None)
+    return list(labels) if labels is not None else None
 
 
 class LearningRateFinderReport(L.Callback):

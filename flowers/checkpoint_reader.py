@@ -26,11 +26,10 @@ import torch
 
 from flowers import backbones
 from flowers.errors import ConfigError
+from flowers.lightning_internals import CLASS_PATH_KEY, INSTANTIATOR_KEY, LIGHTNING_INSTANTIATOR
 from flowers.runs import CHECKPOINTS, LOG_DIR, NAME
 from flowers.schedules import WarmupCosineLR
 
-# What LightningCLI records so that load_from_checkpoint rebuilds the model through jsonargparse.
-LIGHTNING_INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
 _PLAIN = (type(None), bool, int, float, str)
 # An annotation made of these words only takes data; any other word (Callable, Optimizer, Any, ...) takes code.
 _DATA_WORDS = {"float", "int", "bool", "str", "None", "NoneType", "Tensor", "tuple", "Tuple", "list", "List",
@@ -98,10 +97,10 @@ def check_hyper_parameters(hparams: Any, model_class: type, where: str) -> None:
     arguments = inspect.signature(model_class).parameters
     own_path = f"{model_class.__module__}.{model_class.__qualname__}"
     for key, value in hparams.items():
-        if key == "_instantiator":
+        if key == INSTANTIATOR_KEY:
             if value != LIGHTNING_INSTANTIATOR:
                 _refuse(where, key, f"names {value!r}, not LightningCLI's {LIGHTNING_INSTANTIATOR}")
-        elif key == "_class_path":
+        elif key == CLASS_PATH_KEY:
             if value != own_path:
                 _refuse(where, key, f"names the class {value!r}, not {own_path}")
         elif key not in arguments or arguments[key].kind in (inspect.Parameter.VAR_POSITIONAL,
@@ -145,8 +144,8 @@ def _check_data(value: Any, key: str, where: str) -> None:
             _check_data(item, f"{key}[{index}]", where)
         return
     if isinstance(value, dict):
-        if "class_path" in value or "_class_path" in value:
-            _refuse(where, key, f"names the class {value.get('class_path', value.get('_class_path'))!r} where "
+        if "class_path" in value or CLASS_PATH_KEY in value:
+            _refuse(where, key, f"names the class {value.get('class_path', value.get(CLASS_PATH_KEY))!r} where "
                                 "a setting is plain data")
         for name, item in value.items():
             if not isinstance(name, str):

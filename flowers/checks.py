@@ -3,15 +3,14 @@ written: a refused command leaves nothing behind."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 import torch
 
+from flowers.alexnet import MIN_IMAGE_SIZE
 from flowers.errors import ConfigError
 from flowers.files import can_create, special_kind
-from flowers.model import MIN_IMAGE_SIZE
 
 # Trainer counts checked here, by name: Lightning takes some without a word and refuses others late or without
 # the flag's name. The lowest sensible value, what the setting counts and what to give instead.
@@ -96,14 +95,6 @@ def check_regular_file(path: str | Path, flag: str, wanted: str) -> None:
         raise ConfigError(f"{flag} {str(path)!r} does not exist: pass {wanted}.")
     if kind := special_kind(path):
         raise ConfigError(f"{flag} {str(path)!r} is {kind}, not a file: pass {wanted}.")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the house error: one paragraph, ``<prog>: error: …`` and where the options are listed;
-    the usage is for ``--help``."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}. `{self.prog} --help` lists the options.\n")
 
 
 def check_writable(folders: list[Path]) -> None:

@@ -9,7 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
-import torch
+import torch.distributed as dist
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -18,28 +18,18 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from flowers import backbones, checks, inference, lightning_internals, precision, restarts, runs
+from flowers import backbones, checks, inference, lightning_internals, precision, restarts, resume, runs
 from flowers.callbacks import ClassIndicesWriter, LearningRateFinderReport, TensorBoardPictures
 from flowers.checkpoint_reader import check_resumable, read
-from flowers.checkpointing import (
-    BEST_CHECKPOINT,
-    LAST_CHECKPOINT,
-    AtomicCheckpointIO,
-    LastCheckpoint,
-    RNGStateCheckpoint,
-)
+from flowers.checkpoint_writer import AtomicCheckpointIO
+from flowers.checkpointing import BEST_CHECKPOINT, LAST_CHECKPOINT, LastCheckpoint
 from flowers.data import FlowerDataModule
 from flowers.errors import ConfigError, FlowersError, PeerError
 from flowers.module import FlowerClassifier
 from flowers.predictions import PredictionWriter
+from flowers.rng_state import RNGStateCheckpoint
 
-# Lightning's own names for checkpoints flowers cannot check before loading (a SLURM hpc_ckpt, a model registry's).
-REFUSED_CKPT_NAMES = ("hpc", "registry")
 DDP_TIMEOUT_S = 600.0
-# FlowerClassifier arguments that change how a model runs, not what it computes: on resume they follow the command.
-RUNTIME_MODEL_KEYS = ("channels_last", "compile", "compile_mode", "fused_optimizer")
-# How a checkpoint is evaluated: validate, test and predict take the checkpoint's unless the command sets them.
-EVALUATION_MODEL_KEYS = ("eval_hflip",)
 
 
 class FlowersCLI(LightningCLI):
@@ -61,38 +51,27 @@ class FlowersCLI(LightningCLI):
             help="Seconds a ddp process waits for its peers in a collective (gradient sync, barrier) before it "
                  "gives up with an error, e.g. when another rank died or hangs. Applies to --trainer.strategy=ddp.",
         )
-        # The classes come from the data, never from a hard-coded list.
-        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
-        # The normalisation is the data's to apply and the model's to remember (predict, export, serve).
-        parser.link_arguments("data.mean", "model.mean", apply_on="instantiate")
-        parser.link_arguments("data.std", "model.std", apply_on="instantiate")
-        # The side the run evaluates at travels in the checkpoint, so predict, serve and export use it untold.
-        parser.link_arguments("data.eval_image_size", "model.eval_image_size", apply_on="instantiate")
-        parser.link_arguments("model.channels_last", "data.channels_last")
+        # The classes, the normalisation and the evaluation side are the data's, and the model's to remember, so
+        # predict, serve and export use them untold.
+        for key in FlowerClassifier.FROM_DATA:
+            parser.link_arguments(f"data.{key}", f"model.{key}", apply_on="instantiate")
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
         self._given = _given_settings(sys.argv[1:] if args is None else args)
         config = _command(self.config)
         self._checkpoint = None
-        self._job = restarts.current_job() if self.config.get("subcommand") == "fit" else None
-        self._restarted = False
-        if self._job is not None and config.get("ckpt_path") in (None, "last"):
-            # Started again by torchrun or SLURM: this job's own run goes on, never the newest run of the folder.
-            own = restarts.own_last_checkpoint(self._job, *runs.run_root(config))
-            if own is not None:
-                config.ckpt_path, self._restarted = str(own), True
-                rank_zero_info(f"{self._job} started again: resuming its own run from {own}")
-        if config.get("ckpt_path") in REFUSED_CKPT_NAMES:
-            raise ConfigError(f"--ckpt_path {config.ckpt_path}: flowers loads only checkpoints it can check first. "
-                              "Pass a checkpoint file, or best or last (the newest run's).")
-        if config.get("ckpt_path") in inference.ALIASES:
-            save_dir, name = runs.run_root(config)
-            config.ckpt_path = str(inference.resolve(config.ckpt_path, "--ckpt_path", save_dir=save_dir, name=name))
-            rank_zero_info(f"--ckpt_path: {config.ckpt_path}")
-        self._resumed_step = 0
         subcommand = self.config.get("subcommand")
+        self._job = restarts.current_job() if subcommand == "fit" else None
+        save_dir, name = runs.run_root(config)
+        logger = runs.logger_entry(config)
+        self._plan = resume.plan(subcommand, config.get("ckpt_path"), job=self._job, save_dir=save_dir, name=name,
+                                 folder_chosen=logger is None or logger.init_args.get("version") is not None)
+        if self._plan.ckpt_path != config.get("ckpt_path"):
+            config.ckpt_path = self._plan.ckpt_path
+        for note in self._plan.notes:
+            rank_zero_info(note)
+        self._resumed_step = 0
         if config.get("ckpt_path") is not None:
             self._checkpoint = _read_checkpoint(config.ckpt_path)
             self._resumed_step = int(self._checkpoint.get("global_step", 0))
@@ -102,7 +81,7 @@ class FlowersCLI(LightningCLI):
         # Lightning then replaces all of model.* with the checkpoint's. What the model is (classes, dropout,
         # loss, optimizer) stays the checkpoint's; how it runs is this command's, as precision and devices are.
         model = config.get("model")
-        self._how_it_runs = {key: model.get(key) for key in RUNTIME_MODEL_KEYS} if model is not None else {}
+        self._how_it_runs = {key: model.get(key) for key in FlowerClassifier.HOW_IT_RUNS} if model is not None else {}
         if self._checkpoint is not None and subcommand != "fit":
             self._how_it_runs.update(_evaluation_overrides_said(self._given, model,
                                                                 self._checkpoint.get("hyper_parameters") or {}))
@@ -113,8 +92,6 @@ class FlowersCLI(LightningCLI):
             config.weights_only = True  # say it, not rely on torch's default: our checkpoints hold no pickled code
         for key, value in self._how_it_runs.items():
             config.model[key] = value
-        if "channels_last" in config.data:
-            config.data.channels_last = config.model.channels_last
         if config.get("precision") == "auto" and config.trainer.get("precision") is None:
             config.trainer.precision, why = precision.resolve(config.trainer.get("accelerator"))
             rank_zero_info(f"precision: auto -> --trainer.precision={config.trainer.precision} ({why})")
@@ -128,9 +105,14 @@ class FlowersCLI(LightningCLI):
                               "of the checkpoint or the backbone's weights.")
         if config.data.get("mean") is None:
             config.data.mean, config.data.std = self._normalisation(config)
-        if self._checkpoint is None:
-            return
-        hparams = self._checkpoint.get("hyper_parameters") or {}
+        if self._checkpoint is not None:
+            self._take_the_checkpoints_settings(config, self._checkpoint.get("hyper_parameters") or {})
+        if self._plan.version:
+            # Resuming a run's own checkpoint continues that run's folder: its curves, its best-model tracking.
+            runs.logger_entry(config).init_args.version = self._plan.version
+
+    def _take_the_checkpoints_settings(self, config, hparams: dict) -> None:
+        # The data follows the checkpoint's classes and evaluation side unless the command says otherwise, aloud.
         if hparams.get("mean") and [list(config.data.mean), list(config.data.std)] != [hparams["mean"], hparams["std"]]:
             rank_zero_info(f"Normalising with --data.mean={list(config.data.mean)} --data.std={list(config.data.std)}"
                            f" as the command says; the checkpoint's are {hparams['mean']} and {hparams['std']}.")
@@ -140,13 +122,6 @@ class FlowersCLI(LightningCLI):
             config.data.class_names = hparams.get("class_names")
         if self.subcommand != "fit":
             self._evaluate_at_the_checkpoints_size(config, hparams)
-        save_dir, name = runs.run_root(config)
-        logger = runs.logger_entry(config)
-        version = runs.version_of(config.ckpt_path, save_dir, name)
-        if self.subcommand == "fit" and version and logger is not None and logger.init_args.get("version") is None:
-            # Resuming a run's own checkpoint continues that run's folder: its curves, its best-model tracking.
-            logger.init_args.version = version
-            rank_zero_info(f"Resuming {save_dir}/{name}/{version} from {config.ckpt_path}")
 
     def _evaluate_at_the_checkpoints_size(self, config, hparams: dict) -> None:
         # validate, test and predict evaluate at the side the run evaluated at, unless the command sets one.
@@ -224,9 +199,9 @@ class FlowersCLI(LightningCLI):
 
     def before_fit(self) -> None:
         if self._job is not None:
-            trainer = self.trainer
+            trainer, plan = self.trainer, self._plan
             restarts.start(self._job, Path(trainer.log_dir or trainer.default_root_dir),
-                           global_rank=trainer.global_rank, world_size=trainer.world_size, restarted=self._restarted,
+                           global_rank=trainer.global_rank, world_size=trainer.world_size, restarted=plan.restarted,
                            resumed_from=_command(self.config).get("ckpt_path"), global_step=self._resumed_step)
 
     def after_fit(self) -> None:
@@ -249,7 +224,7 @@ def _warn_overridden_model_flags(command, defaults, saved: dict) -> None:
     # the settings the command changed are dropped, instead of resuming silently with the saved ones.
     if command is None or defaults is None:
         return
-    ignored = {"num_classes", "class_names", "mean", "std", "eval_image_size", "_instantiator", *RUNTIME_MODEL_KEYS}
+    ignored = {lightning_internals.INSTANTIATOR_KEY, *FlowerClassifier.FROM_DATA, *FlowerClassifier.HOW_IT_RUNS}
     keys = [key for key in saved if key not in ignored]
     given, default, kept = (_leaves({key: source.get(key) for key in keys}) for source in (command, defaults, saved))
     # A YAML list and the tuple the command line parses are one setting: (0.9, 0.999) is [0.9, 0.999].
@@ -282,7 +257,7 @@ def _given_settings(args: list[str]) -> set[str]:
 
 def _evaluation_overrides_said(given: set[str], command, saved: dict) -> dict:
     """The evaluation settings a validate/test/predict command sets against the checkpoint's, said aloud."""
-    overrides = {key: command.get(key) for key in EVALUATION_MODEL_KEYS
+    overrides = {key: command.get(key) for key in FlowerClassifier.HOW_IT_EVALUATES
                  if f"model.{key}" in given and key in saved and command.get(key) != saved[key]}
     for key, value in overrides.items():
         rank_zero_info(f"--model.{key}={value} as the command says; the checkpoint's is {saved[key]}.")
@@ -352,7 +327,7 @@ def main(args: list[str] | None = None) -> int:
         print(f"flowers: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
-        if (peer := PeerError.from_distributed(error)) is None:
+        if (peer := _peer_failure(error)) is None:
             restarts.record_exit(f"{type(error).__name__}: {error}")
             raise
         restarts.record_exit(str(peer))
@@ -362,9 +337,29 @@ def main(args: list[str] | None = None) -> int:
         os._exit(2)
     # A gloo process group left for interpreter shutdown to tear down sometimes aborts the process after
     # a finished fit ("terminate called without an active exception", exit -6): close it while it is sound.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     return 0
+
+
+# What gloo and NCCL say when a peer process is gone or stopped answering.
+PEER_FAILURE_SIGNS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
+                      "broken pipe", "nccl communicator was aborted", "socket closed")
+
+
+def _peer_failure(error: BaseException) -> PeerError | None:
+    """The user-facing form of a collective that failed because of a peer, or None for other errors."""
+    text = str(error)
+    is_distributed = isinstance(error, dist.DistError) or "gloo" in text.lower() or "nccl" in text.lower()
+    if not (is_distributed and any(sign in text.lower() for sign in PEER_FAILURE_SIGNS)):
+        return None
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
+    first_line = text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
+    return PeerError(
+        f"rank {rank} lost contact with another ddp process ({first_line}). A peer died (killed, out of "
+        "memory, crashed: see its own log) or stopped answering for --ddp_timeout seconds. The last "
+        "checkpoint is intact: fix the cause and resume with --ckpt_path last."
+    )
 
 
 def _refusal(error: ArgumentError, words: list[str]) -> str:

@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 from flowers import backbones, checks, inference, runs
-from flowers.callbacks import write_class_indices
-from flowers.errors import ConfigError
+from flowers.alexnet import MIN_IMAGE_SIZE
+from flowers.errors import ArgumentParser, ConfigError
 from flowers.files import atomic_write, can_create, special_kind
-from flowers.model import MIN_IMAGE_SIZE
-from flowers.runs import CLASS_INDICES
+from flowers.runs import CLASS_INDICES, write_class_indices
 
 SUFFIXES = {"state_dict": ".pth", "torchscript": ".torchscript.pt", "onnx": ".onnx"}
 
@@ -36,7 +35,7 @@ def filename(backbone: str, fmt: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = checks.ArgumentParser(prog="flowers export", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgumentParser(prog="flowers export", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--ckpt_path", required=True,
                    help="a checkpoint written by `fit`, or best or last: the newest run's under runs/flowers/")
     p.add_argument("--format", choices=sorted(SUFFIXES), default="state_dict")

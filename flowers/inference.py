@@ -14,10 +14,11 @@ from typing import Any
 
 import yaml
 
+from flowers.backbones import TUTORIAL_ALEXNET
 from flowers.checkpoint_reader import read
 from flowers.data.transforms import eval_transform
 from flowers.errors import ConfigError
-from flowers.module import FlowerClassifier
+from flowers.module import FlowerClassifier, normalisation_of
 from flowers.runs import CONFIG, LOG_DIR, NAME, newest_best_checkpoint, newest_last_checkpoint, run_dir_of
 
 ALIASES = ("best", "last")  # the newest run's best-*.ckpt and last.ckpt, for every command that takes a checkpoint
@@ -31,6 +32,8 @@ class ReadyModel:
     model: FlowerClassifier
     path: Path
     hparams: dict[str, Any]  # the checkpoint's settings, as data
+    epoch: int | None = None  # where in its run the checkpoint was saved
+    global_step: int | None = None
 
     @property
     def classes(self) -> list[str]:
@@ -46,8 +49,15 @@ class ReadyModel:
 
     def transform(self, image_size: int | None = None) -> Callable:
         """The evaluation transform: squashed to the run's side (or ``image_size``), normalised as in training."""
-        mean, std = self.model.normalization()
-        return eval_transform(crop_size=image_size or self.image_size, mean=mean, std=std)
+        return eval_transform_of(self.model, image_size)
+
+
+def eval_transform_of(model: FlowerClassifier, image_size: int | None = None) -> Callable:
+    """The evaluation transform a model was trained for: its normalisation, squashed to ``image_size``; unset, the
+    side its run evaluated at (else the tutorial's 224)."""
+    mean, std = model.normalisation()
+    size = image_size or model.hparams.get("eval_image_size") or DEFAULT_IMAGE_SIZE
+    return eval_transform(crop_size=size, mean=mean, std=std)
 
 
 def resolve(ckpt: str | Path, flag: str = "--ckpt_path", *, save_dir: str = LOG_DIR, name: str = NAME) -> Path:
@@ -73,13 +83,30 @@ def eval_image_size(hparams: dict[str, Any], path: str | Path) -> int:
     (checkpoints from before it was recorded), else the tutorial's 224."""
     if hparams.get("eval_image_size"):
         return int(hparams["eval_image_size"])
-    config = run_dir_of(path) / CONFIG
+    return run_settings(read_run_config(run_dir_of(path) / CONFIG))["eval_image_size"]
+
+
+def read_run_config(path: Path) -> dict:
+    """A run's config.yaml as a dict; ``{}`` when there is none or it cannot be read as one."""
     try:
-        data = (yaml.safe_load(config.read_text()) or {}).get("data") or {} if config.is_file() else {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        data = {}
-    size = data.get("eval_image_size") or data.get("image_size") if isinstance(data, dict) else None
-    return int(size) if isinstance(size, int) and size > 0 else DEFAULT_IMAGE_SIZE
+        config = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def run_settings(config: dict) -> dict[str, Any]:
+    """How a run's config.yaml says its model is evaluated, for a file that records none of it (an export, an older
+    checkpoint): ``eval_image_size``, ``mean``, ``std``, ``eval_hflip`` and ``backbone``."""
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    model = model.get("init_args", model) if isinstance(model.get("init_args", model), dict) else {}
+    size = data.get("eval_image_size") or data.get("image_size")
+    # The data's normalisation is what the run applied (the CLI records it there); the model's, from older configs.
+    mean, std = normalisation_of(data if data.get("mean") and data.get("std") else model)
+    return {"eval_image_size": int(size) if isinstance(size, int) and size > 0 else DEFAULT_IMAGE_SIZE,
+            "mean": mean, "std": std, "eval_hflip": bool(model.get("eval_hflip", False)),
+            "backbone": str(model.get("backbone") or TUTORIAL_ALEXNET)}
 
 
 def load(ckpt: str | Path, *, map_location: str = "cpu", flag: str = "--ckpt_path") -> ReadyModel:
@@ -102,4 +129,5 @@ def load(ckpt: str | Path, *, map_location: str = "cpu", flag: str = "--ckpt_pat
     model._restored = True  # the checkpoint's network: --model.weights and init_from are never read
     model.to(map_location).eval()
     return ReadyModel(model=model, path=path, hparams={**{k: v for k, v in hparams.items() if not k.startswith("_")},
-                                                       "eval_image_size": settings["eval_image_size"]})
+                                                       "eval_image_size": settings["eval_image_size"]},
+                      epoch=checkpoint.get("epoch"), global_step=checkpoint.get("global_step"))

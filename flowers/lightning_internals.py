@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+# The keys LightningCLI adds to a checkpoint's hyper_parameters so that load_from_checkpoint rebuilds the model
+# through jsonargparse, and the instantiator it names.
+INSTANTIATOR_KEY = "_instantiator"
+CLASS_PATH_KEY = "_class_path"
+LIGHTNING_INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
 
 
 def set_logger_version(logger: TensorBoardLogger, version: int | str) -> None:
@@ -24,3 +31,15 @@ def logged_step(trainer: L.Trainer) -> int:
 def subcommand_defaults(cli, subcommand: str):
     """The defaults of a LightningCLI subcommand's parser (its config files included), as a Namespace."""
     return cli._parser(subcommand).get_defaults()
+
+
+def epoch_progress(trainer: L.Trainer) -> tuple[int, int]:
+    """(batches of this epoch the training loop has finished, batches in the epoch): where a checkpoint saved
+    now stands, for the parts of it that must know (the training loader's position, the epoch's metrics)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed, trainer.num_training_batches
+
+
+def each_once_sampler(dataset, *, num_replicas: int, rank: int):
+    """Lightning's evaluation sampler that gives each of ``num_replicas`` ranks images r, r + world, …: every
+    image exactly once, where torch's DistributedSampler pads the last shard with repeats."""
+    return UnrepeatedDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)

@@ -17,8 +17,7 @@ from torch import nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from flowers import backbones, checkpoint_reader
-from flowers.checkpointing import epoch_progress
+from flowers import backbones, checkpoint_reader, lightning_internals
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD
 from flowers.errors import ConfigError
 from flowers.schedules import WarmupCosineLR
@@ -50,9 +49,24 @@ class BatchMean(Metric):
         return self.total / self.count
 
 
+def normalisation_of(settings: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The per-channel (mean, std) of a model's settings: its own, else the tutorial's (checkpoints from before
+    normalisation was recorded trained the tutorial's network with it)."""
+    mean, std = settings.get("mean"), settings.get("std")
+    return (tuple(mean), tuple(std)) if mean and std else (TUTORIAL_MEAN, TUTORIAL_STD)
+
+
 def _synced_state(metric: Metric) -> dict[str, torch.Tensor]:
     with metric.sync_context(should_unsync=True):
         return {name: value.detach().cpu().clone() for name, value in metric.metric_state.items()}
+
+
+def logits_with_mirror(net, images: torch.Tensor) -> torch.Tensor:
+    """The mean of the logits of each image and of its mirror image: the test-time flip of ``eval_hflip``."""
+    # Both views in one forward of a doubled batch: half the kernel launches of two forwards, and no output of a
+    # CUDA-graph replay (compile_mode "reduce-overhead") held while the next replay overwrites it.
+    both = net(torch.cat([images, images.flip(-1)]))
+    return (both[: len(images)] + both[len(images):]) / 2
 
 
 class FlowerClassifier(L.LightningModule):
@@ -100,6 +114,11 @@ class FlowerClassifier(L.LightningModule):
             filled from the data by the CLI and stored, so predict, validate, test, serve and export evaluate
             a checkpoint at its own size without being told.
     """
+
+    # Each setting's role, declared once: the CLI, resume and evaluation read them here.
+    FROM_DATA = ("num_classes", "class_names", "mean", "std", "eval_image_size")  # the CLI fills them from the data
+    HOW_IT_RUNS = ("channels_last", "compile", "compile_mode", "fused_optimizer")  # on resume, the command's
+    HOW_IT_EVALUATES = ("eval_hflip",)  # validate, test and predict: the checkpoint's unless the command sets it
 
     def __init__(
         self,
@@ -184,10 +203,9 @@ class FlowerClassifier(L.LightningModule):
         kwargs.setdefault("weights_only", True)
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
-    def normalization(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The per-channel (mean, std) the network's inputs are normalised with."""
-        mean, std = self.hparams.get("mean"), self.hparams.get("std")
-        return (tuple(mean), tuple(std)) if mean and std else (TUTORIAL_MEAN, TUTORIAL_STD)
+        return normalisation_of(self.hparams)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
@@ -196,13 +214,8 @@ class FlowerClassifier(L.LightningModule):
 
     def eval_logits(self, images: torch.Tensor) -> torch.Tensor:
         """The logits evaluation scores: with ``eval_hflip``, the mean over the image and its mirror."""
-        # Test-time augmentation by hand: Lightning has none. Both views in one forward of a doubled batch:
-        # half the kernel launches of two forwards, and no output of a CUDA-graph replay (compile_mode
-        # "reduce-overhead") held while the next replay overwrites it.
-        if not self.eval_hflip:
-            return self(images)
-        logits = self(torch.cat([images, images.flip(-1)]))
-        return (logits[: len(images)] + logits[len(images):]) / 2
+        # Test-time augmentation by hand: Lightning has none.
+        return logits_with_mirror(self, images) if self.eval_hflip else self(images)
 
     def _shared_step(self, batch, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = batch
@@ -275,7 +288,7 @@ class FlowerClassifier(L.LightningModule):
         if source != hparams.backbone:
             raise ConfigError(f"--model.init_from {hparams.init_from} holds a {source} network, not the "
                               f"--model.backbone={hparams.backbone} of this run. Set the backbone to {source}.")
-        return {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")}
+        return backbones.network_weights(checkpoint["state_dict"])
 
     def _load_initial_weights(self) -> None:
         # Here rather than in __init__: a resumed, predicting or exporting model never reads (or downloads) them.
@@ -343,7 +356,7 @@ class FlowerClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # A checkpoint in the middle of an epoch: the epoch's training loss and accuracy so far, summed over the
         # ranks (every rank is here: each calls the save, rank 0 writes), so a resume logs the same epoch values.
-        done, per_epoch = epoch_progress(self.trainer)
+        done, per_epoch = lightning_internals.epoch_progress(self.trainer)
         if done < per_epoch:
             checkpoint["train_epoch_metrics"] = {name: _synced_state(metric)
                                                  for name, metric in self._train_epoch_metrics()}

@@ -11,6 +11,10 @@ from, and each rank of the attempt before with the reason it ended. A rank recor
 (``attempts/rank<r>.json``) when it ends with an error; the restart reads and clears those records. A rank that
 left none was killed (SIGKILL, the out-of-memory killer, a lost machine) or stopped by the launcher because
 another rank failed.
+
+Not Lightning's ``SLURMEnvironment(auto_requeue=True)`` alone: it saves an ``hpc_ckpt`` only on the signal SLURM sends
+before a time limit (not when a node dies, nor under torchrun), and loads it unchecked from the working folder;
+``last.ckpt`` is at most a minute old whatever ended the job, and goes through the checkpoint reader.
 """
 
 from __future__ import annotations

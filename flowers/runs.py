@@ -14,6 +14,7 @@ A new run never writes into a folder that already holds a run's config or checkp
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing_extensions import override
 
 from flowers import lightning_internals
 from flowers.errors import ConfigError
+from flowers.files import atomic_write_text
 
 LOG_DIR = "runs"
 NAME = "flowers"
@@ -34,6 +36,23 @@ CHECKPOINTS = "checkpoints"
 LAST = "last"  # last.ckpt
 BEST_FILENAME = "best-epoch={epoch:02d}-val_acc={val/acc:.4f}"
 CLASS_INDICES = "class_indices.json"
+
+
+def write_class_indices(path: Path, class_names: list[str]) -> None:
+    """The tutorial's ``class_indices.json``: ``{"0": "daisy", …}``."""
+    atomic_write_text(path, json.dumps({str(i): name for i, name in enumerate(class_names)}, indent=4) + "\n")
+
+
+def read_class_indices(path: Path) -> list[str]:
+    """The class names of a ``class_indices.json``, in index order; ConfigError when it is missing or malformed."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: `flowers export` writes it beside the export, and serve reads the "
+                          "class names from it.")
+    try:
+        mapping = json.loads(path.read_text())
+        return [mapping[str(i)] for i in range(len(mapping))]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"{path} is not a class mapping like {{\"0\": \"daisy\", …}}: {error}") from None
 
 
 def logger_entry(config):

@@ -1,64 +1,27 @@
-"""Shared fixtures: tiny image trees and the CLI arguments that make a run take seconds."""
+"""Fixtures: tiny data sets, trained runs and servers, each made once and shared where only *a* run is needed.
+
+The builders behind them are in tests/helpers/; a test imports those from there.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# The real flower photos, read-only; the tests that need them skip where the folder is absent.
-REAL_PHOTOS = Path(os.environ.get("FLOWERS_DATA_DIR")
-                   or Path(__file__).resolve().parents[1].parent / "shared" / "data" / "flowers")
-
-# Arguments that shrink any fit/validate/predict to a few seconds on CPU.
-TINY_RUN = [
-    "--trainer.accelerator=cpu",
-    "--trainer.devices=1",
-    "--trainer.max_epochs=1",
-    "--trainer.enable_progress_bar=false",
-    "--data.image_size=64",
-    "--data.batch_size=4",
-    "--data.num_workers=0",
-]
+from tests.helpers.images import REAL_PHOTOS
+from tests.helpers.runs import TINY_RUN, fit_in
 
 
-class RecordOps(TorchDispatchMode):
-    """While active, names every tensor operation run (on a GPU, each would be a kernel launch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def write_images(folder: Path, count: int, *, size: int = 72, seed: int = 0, ext: str = ".jpg") -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng([seed, count, len(folder.name)])
-    paths = []
-    for i in range(count):
-        pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-        path = folder / f"img{i:03d}{ext}"
-        Image.fromarray(pixels).save(path)
-        paths.append(path)
-    return paths
-
-
-def make_tree(root: Path, counts: dict[str, int], **kwargs) -> Path:
-    for name, count in counts.items():
-        write_images(root / name, count, **kwargs)
-    return root
+def pytest_configure(config):
+    # Keep torch from oversubscribing the 2 CI cores when tests spawn worker processes.
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
 @pytest.fixture(scope="session")
 def tiny_synthetic(tmp_path_factory) -> Path:
-    """A small synthetic flower set in the single-folder layout, drawn once per test session."""
+    """A small synthetic flower set in the single-folder layout, drawn once per test run."""
     from flowers.data import synthetic
 
     return synthetic.ensure_synthetic(tmp_path_factory.mktemp("synthetic") / "flowers", per_class=12, size=72)
@@ -78,6 +41,64 @@ def real_photos() -> Path:
     return REAL_PHOTOS
 
 
-def pytest_configure(config):
-    # Keep torch from oversubscribing the 2 CI cores when tests spawn worker processes.
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, tiny_synthetic) -> Path:
+    """The absolute ``runs/flowers/version_0`` of a 2-epoch tiny fit: for tests that only read *a* run's files."""
+    root = tmp_path_factory.mktemp("trained")
+    cli = fit_in(root, *TINY_RUN, f"--data.data_dir={tiny_synthetic}", "--trainer.max_epochs=2")
+    return (root / cli.trainer.log_dir).resolve()
+
+
+@pytest.fixture(scope="session")
+def backbone_run(tmp_path_factory, tiny_synthetic):
+    """``backbone_run(name)``: the run folder of a tiny fit of that backbone, trained once per test run."""
+    runs: dict[str, Path] = {}
+
+    def run(backbone: str) -> Path:
+        if backbone not in runs:
+            root = tmp_path_factory.mktemp(backbone)
+            cli = fit_in(root, *TINY_RUN, "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",
+                         "--seed_everything=3", f"--data.data_dir={tiny_synthetic}", f"--model.backbone={backbone}")
+            runs[backbone] = (root / cli.trainer.log_dir).resolve()
+        return runs[backbone]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def mirror_run(tmp_path_factory, trained_run) -> Path:
+    """The shared run with mirror-image evaluation on; its checkpoint is ``checkpoints/best.ckpt``."""
+    from tests.helpers.serving import mirror_copy
+
+    return mirror_copy(trained_run, tmp_path_factory.mktemp("mirror") / "version_0")
+
+
+@pytest.fixture(scope="session")
+def shared_servers(request, tmp_path_factory, mirror_run):
+    """Two servers, started together so that their start-ups overlap: the mirror-image checkpoint with a 100 ms
+    window (concurrent requests surely share batches) and small limits, and its ONNX export."""
+    pytest.importorskip("litserve", reason="flowers serve runs on LitServe (pip install -e '.[serve]')")
+    from flowers.export import export
+    from tests.helpers.serving import BODY_TIMEOUT_S, DECODE_BUDGET_MB, MAX_UPLOADS, TOP_K, Server, stop_all
+
+    ckpt = mirror_run / "checkpoints" / "best.ckpt"
+    logs = tmp_path_factory.mktemp("serve")
+    started: list[Server] = []
+    request.addfinalizer(lambda: stop_all(started))
+    started.append(Server(["--ckpt_path", str(ckpt), "--batch_window_ms", "100", "--max_batch_size", "8",
+                           "--top_k", str(TOP_K), "--body_timeout_s", str(BODY_TIMEOUT_S),
+                           "--max_uploads", str(MAX_UPLOADS), "--decode_budget_mb", str(DECODE_BUDGET_MB)],
+                          logs / "checkpoint.log"))
+    folder = export(ckpt, "onnx").parent  # the run's checkpoints/export/: serve finds the file by its suffix
+    started.append(Server(["--ckpt_path", str(folder)], logs / "onnx.log"))
+    return {"checkpoint": started[0].wait_ready(), "onnx": started[1].wait_ready()}
+
+
+@pytest.fixture(scope="session")
+def served(shared_servers):
+    return shared_servers["checkpoint"]
+
+
+@pytest.fixture(scope="session")
+def onnx_served(shared_servers):
+    return shared_servers["onnx"]

@@ -20,7 +20,8 @@ from flowers.analysis import datamodule_for, evaluate, load, predict
 from flowers.cli import cli_main
 from flowers.errors import ConfigError
 from flowers.export import export
-from tests.conftest import TINY_RUN
+from tests.helpers.processes import run_flowers
+from tests.helpers.runs import TINY_RUN
 
 FIT = [*TINY_RUN, "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2", "--seed_everything=3"]
 
@@ -39,23 +40,9 @@ def no_downloads(monkeypatch):
     monkeypatch.setattr("urllib.request.urlopen", refuse)
 
 
-_RUNS: dict[str, Path] = {}
-
-
-def trained(backbone: str, tmp_path_factory, data: Path) -> Path:
-    """The run folder of a tiny fit of ``backbone``, trained once per test session."""
-    if backbone not in _RUNS:
-        root = tmp_path_factory.mktemp(backbone)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.chdir(root)
-            cli = cli_main(["fit", *FIT, f"--data.data_dir={data}", f"--model.backbone={backbone}"])
-        _RUNS[backbone] = root / cli.trainer.log_dir
-    return _RUNS[backbone]
-
-
 @pytest.fixture
-def resnet_run(tmp_path_factory, tiny_synthetic) -> Path:
-    return trained("resnet18", tmp_path_factory, tiny_synthetic)
+def resnet_run(backbone_run) -> Path:
+    return backbone_run("resnet18")
 
 
 @pytest.mark.parametrize("name, head", [("tutorial_alexnet", "classifier.6"), ("resnet18", "fc"),
@@ -117,7 +104,7 @@ def test_weights_by_name_come_from_torchvisions_cache_and_resume_reads_none(in_t
 
     (cache / Path(weights.url).name).unlink()  # resume and predict rebuild the network from the checkpoint
     resumed = cli_main([*args, "--trainer.max_epochs=2", "--ckpt_path=last"])
-    assert resumed.trainer.global_step == 6 and resumed.model.normalization()[0] == tuple(weights.transforms().mean)
+    assert resumed.trainer.global_step == 6 and resumed.model.normalisation()[0] == tuple(weights.transforms().mean)
 
 
 def test_named_weights_that_cannot_be_downloaded_get_one_clear_error(in_tmp, tiny_synthetic, monkeypatch):
@@ -133,15 +120,17 @@ def test_named_weights_that_cannot_be_downloaded_get_one_clear_error(in_tmp, tin
 
 
 @pytest.mark.parametrize("backbone", ["resnet18", pytest.param("mobilenet_v3_small", marks=pytest.mark.slow)])
-def test_another_backbone_trains_predicts_exports_and_is_analysed(backbone, tiny_synthetic, tmp_path,
-                                                                   tmp_path_factory):
-    ckpt = trained(backbone, tmp_path_factory, tiny_synthetic) / "checkpoints" / "last.ckpt"
+def test_another_backbone_trains_predicts_exports_and_is_analysed(backbone, tiny_synthetic, tmp_path, backbone_run):
+    ckpt = backbone_run(backbone) / "checkpoints" / "last.ckpt"
     model, class_names, hparams = load(ckpt)
-    assert hparams["backbone"] == backbone and model.normalization()[0] == (0.485, 0.456, 0.406)
+    assert hparams["backbone"] == backbone and model.normalisation()[0] == (0.485, 0.456, 0.406)
     datamodule = datamodule_for(ckpt, model)
     assert datamodule.mean == [0.485, 0.456, 0.406]  # the run's own normalisation, for a fair score
     result = evaluate(model, datamodule)
-    assert 0 <= result.accuracy <= 1
+    # The whole validation split is scored, each image once, and the accuracy is the confusion matrix's diagonal.
+    assert int(result.confusion.sum()) == len(datamodule.val_set) == len(result.labels)
+    assert result.accuracy == pytest.approx(float(result.confusion.trace()) / len(datamodule.val_set))
+    assert result.accuracy == pytest.approx(float((result.probs.argmax(1) == result.labels).float().mean()))
     image = next(tiny_synthetic.rglob("*.png"), None) or next(tiny_synthetic.rglob("*.jpg"))
     (row,) = predict(model, [image], image_size=64)
     assert row["prediction"] in class_names
@@ -224,23 +213,12 @@ def test_dp_fits_another_backbone(in_tmp, tiny_synthetic):
 @pytest.mark.slow
 @pytest.mark.parametrize("backbone", ["resnet18", "mobilenet_v3_small"])
 def test_ddp_fits_other_backbones_from_a_weights_file_on_every_rank(backbone, tmp_path, tiny_synthetic):
-    from tests.test_ddp import flowers
-
     pretrained = models.get_model(backbone)
     torch.save(pretrained.state_dict(), tmp_path / "pretrained.pth")
-    output = flowers(["fit", *FIT, f"--data.data_dir={tiny_synthetic}", f"--model.backbone={backbone}",
+    output = run_flowers(["fit", *FIT, f"--data.data_dir={tiny_synthetic}", f"--model.backbone={backbone}",
                       "--model.weights=pretrained.pth", "--model.freeze_backbone_epochs=1",
                       "--trainer.strategy=ddp", "--trainer.devices=2"], tmp_path)
     assert "classifier head" in output
     state = torch.load(tmp_path / "runs/flowers/version_0/checkpoints/last.ckpt", weights_only=True)["state_dict"]
     first_conv = next(name for name, p in pretrained.named_parameters() if p.dim() == 4)
     assert torch.equal(state[f"net.{first_conv}"], pretrained.state_dict()[first_conv])  # frozen, as loaded
-
-
-@pytest.mark.slow
-def test_the_notebook_explores_another_backbones_run(resnet_run, monkeypatch):
-    from tests.test_notebook import test_the_notebook_runs_against_a_trained_checkpoint as run_notebook
-
-    monkeypatch.setattr("tests.test_notebook.best_checkpoint", lambda run: resnet_run / "checkpoints/last.ckpt")
-    monkeypatch.setattr("tests.test_notebook.trained_run", lambda *args: resnet_run)
-    run_notebook(None, None, monkeypatch)

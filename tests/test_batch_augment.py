@@ -15,7 +15,7 @@ from flowers.data.batch_augment import crop_flip_normalise, draw_train_views, ev
 from flowers.data.cache import _decode, cache_side
 from flowers.data.datasets import CachedBatch
 from flowers.data.transforms import eval_transform
-from tests.conftest import RecordOps
+from tests.helpers.ops import RecordOps
 
 
 def train_batch(squares: torch.Tensor, sizes: torch.Tensor, *, crop_size: int, generator=None, batched=None,
@@ -277,13 +277,27 @@ def test_a_gpu_batch_is_cropped_flipped_and_normalised_into_its_dtype_and_layout
 
 def test_only_a_bf16_run_on_a_gpu_gets_bf16_batches():
     from flowers.data import FlowerDataModule
+    from flowers.data.pipelines import BatchContext
 
     class OnGpu:
         is_cuda = True
 
+    bf16 = BatchContext(training=True, train_size=64, bf16=True)
+    assert bf16.dtype(images_on=OnGpu()) == torch.bfloat16
+    assert bf16.dtype(images_on=torch.zeros(1)) == torch.float32  # CPU: float32 even under bf16
+    assert BatchContext(training=True, train_size=64).dtype(images_on=OnGpu()) == torch.float32
+
+    # The DataModule reads the run's precision from its trainer.
+    seen = []
+
+    class Recording:
+        def on_device(self, batch, context):
+            seen.append(context.bf16)
+            return batch
+
     module = FlowerDataModule()
-    module.trainer = type("Trainer", (), {"precision": "bf16-mixed"})()
-    assert module._batch_dtype(images_on=OnGpu()) == torch.bfloat16
-    assert module._batch_dtype(images_on=torch.zeros(1)) == torch.float32  # CPU: float32 even under bf16
-    module.trainer = type("Trainer", (), {"precision": "32-true"})()
-    assert module._batch_dtype(images_on=OnGpu()) == torch.float32
+    module.pipeline = Recording()
+    for precision in ("bf16-mixed", "bf16-true", "32-true", "16-mixed"):
+        module.trainer = type("Trainer", (), {"precision": precision, "training": False})()
+        module.on_after_batch_transfer(None, 0)
+    assert seen == [True, True, False, False]

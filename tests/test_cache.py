@@ -13,7 +13,7 @@ from PIL import Image
 
 from flowers.data import cache as cache_mod
 from flowers.data.cache import CACHE_FOLDER, ensure_cache
-from tests.conftest import make_tree
+from tests.helpers.images import make_tree
 
 
 def _paths(root: Path) -> list[str]:

@@ -18,8 +18,8 @@ from flowers.cli import _warn_overridden_model_flags, cli_main
 from flowers.export import export
 from flowers.serve.model import Predictor, describe, find_model
 from flowers.serve.uploads import decode_upload
-from tests.conftest import write_images
-from tests.trained_run import best_checkpoint, trained_run
+from tests.helpers.images import write_images
+from tests.helpers.runs import best_checkpoint
 
 # How a run is fitted and then used; none of the commands after the fit names an image size.
 QUIET = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.enable_progress_bar=false",
@@ -86,6 +86,9 @@ def test_predict_without_a_config_answers_as_analysis_and_serve(run, photos, unt
         for name in source.classes:
             assert rows[photo.name][name] == pytest.approx(by_analysis[photo.name][name], abs=1e-5)
             assert served[name] == pytest.approx(by_analysis[photo.name][name], abs=1e-5)
+        top_k = [sorted(probs, key=probs.get, reverse=True)[:3] for probs in
+                 (rows[photo.name], by_analysis[photo.name], served)]
+        assert top_k[0] == top_k[1] == top_k[2], photo.name
 
 
 def test_validate_without_a_config_scores_as_analysis_evaluate(run, tiny_synthetic, tmp_path, monkeypatch):
@@ -113,8 +116,8 @@ def test_a_flag_overrides_the_checkpoint_and_says_so(run, photos, untold, tmp_pa
     assert f"--model.eval_hflip={not saved['eval_hflip']} as the command says" in caplog.text
 
 
-def test_best_and_last_name_the_same_files_everywhere(tmp_path_factory, tiny_synthetic, photos, monkeypatch, tmp_path):
-    run = trained_run(tmp_path_factory, tiny_synthetic)
+def test_best_and_last_name_the_same_files_everywhere(trained_run, photos, monkeypatch, tmp_path):
+    run = trained_run
     monkeypatch.chdir(run.parents[2])  # where `fit` ran: runs/flowers/version_0 lies below
     expected = {"best": best_checkpoint(run).resolve(), "last": (run / "checkpoints" / "last.ckpt").resolve()}
     for alias in ("best", "last"):

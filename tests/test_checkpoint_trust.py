@@ -18,8 +18,7 @@ from flowers.cli import main as cli_main
 from flowers.errors import ConfigError
 from flowers.export import main as export_main
 from flowers.module import FlowerClassifier
-from tests.conftest import TINY_RUN
-from tests.trained_run import best_checkpoint, trained_run
+from tests.helpers.runs import TINY_RUN, best_checkpoint
 
 
 def file_handler(marker: Path) -> dict:
@@ -49,8 +48,8 @@ PAYLOADS = {
 
 
 @pytest.fixture(scope="module")
-def genuine(tmp_path_factory, tiny_synthetic) -> Path:
-    return best_checkpoint(trained_run(tmp_path_factory, tiny_synthetic))
+def genuine(trained_run) -> Path:
+    return best_checkpoint(trained_run)
 
 
 def hostile_copy(genuine: Path, folder: Path, where: str, marker: Path) -> Path:

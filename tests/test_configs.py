@@ -2,7 +2,7 @@
 
 Mode files that need GPUs (gpu, dp, ddp, multinode) are instantiated with the accelerator overridden
 to one CPU, so their strategy, precision and num_nodes are still built; their GPU runs are in
-benchmarks/gpu/check_modes.sh.
+tests/gpu/test_modes.py (`make test-gpu`).
 """
 
 from pathlib import Path

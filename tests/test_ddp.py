@@ -1,16 +1,15 @@
-"""ddp on CPU (gloo) through real ``python -m flowers`` subprocesses: one machine, exact evaluation, two nodes.
+"""ddp on CPU (gloo) through real ``python -m flowers`` processes: one machine, exact evaluation, two nodes, and a
+dead or hung rank.
 
-Every child runs with OMP_NUM_THREADS=1, 64-px images and a few batches; each is bounded by a timeout
-that kills its whole process group, so a hung collective fails the test instead of the suite. The
-children load ``tests.ddp_probe.Probe``, which writes what every rank saw to ``probe/*_rankR.json``.
+Every child runs with OMP_NUM_THREADS=1, 64-px images and a few batches; each is bounded by a timeout that kills its
+whole process group, so a hung collective fails the test instead of the suite. The children load test callbacks from
+tests/helpers/callbacks.py: ``Probe`` writes what every rank saw to ``probe/*_rankR.json``; ``Fault`` makes rank 1
+die (``os._exit``) or hang (sleep without joining the gradient all-reduce) at a chosen batch and writes the moment to
+a marker file.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,77 +21,8 @@ import yaml
 from flowers.cli import cli_main
 from flowers.data import FlowerDataModule
 from flowers.runs import last_checkpoint
-from tests.conftest import make_tree
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--trainer.accelerator=cpu",
-    "--trainer.strategy=ddp",
-    "--trainer.enable_progress_bar=false",
-    "--data.image_size=64",
-    "--data.batch_size=4",
-    "--data.num_workers=0",
-]
-# Variables through which Lightning would detect a cluster around the test run itself.
-CLUSTER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE",
-                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES and not k.startswith("SLURM_")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def start(command: list[str], cwd: Path, variables: dict[str, str] | None = None) -> subprocess.Popen:
-    # A new session, so a timeout can kill the launcher's own children (the other ranks) too.
-    return subprocess.Popen(command, cwd=cwd, env={**child_env(), **(variables or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def kill(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def finish(processes: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Wait for all; on a timeout or any failure kill every one and fail with their output."""
-    outputs = []
-    try:
-        for process in processes:
-            out, _ = process.communicate(timeout=timeout)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            kill(process)
-        pytest.fail(f"a child ran past {timeout} s and was killed")
-    failed = [(p.returncode, out[-4000:]) for p, out in zip(processes, outputs, strict=True) if p.returncode != 0]
-    if failed:
-        for process in processes:
-            kill(process)
-        pytest.fail(f"exit status {failed[0][0]}:\n{failed[0][1]}")
-    return outputs
-
-
-def flowers(args: list[str], cwd: Path, timeout: float = 240) -> str:
-    return finish([start([sys.executable, "-m", "flowers", *args], cwd)], timeout)[0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def probes(folder: Path, stage: str) -> dict[int, dict]:
-    records = [json.loads(path.read_text()) for path in folder.glob(f"{stage}_rank*.json")]
-    return {record["global_rank"]: record for record in records}
-
-
-def state_dict(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+from tests.helpers.images import make_tree
+from tests.helpers.processes import DDP_RUN, ROOT, finish, free_port, kill, probes, run_flowers, start, state_dict
 
 
 @pytest.mark.slow
@@ -100,8 +30,8 @@ def test_ddp_two_cpu_processes_write_once_reshuffle_and_sync(tmp_path, tiny_synt
     # A previous run's folder: every rank must still agree on the next version, 1.
     (tmp_path / "runs" / "flowers" / "version_0").mkdir(parents=True)
     probe = tmp_path / "probe"
-    flowers(["fit", *TINY, "--trainer.devices=2", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2",
-             f"--data.data_dir={tiny_synthetic}", "--trainer.callbacks+=tests.ddp_probe.Probe",
+    run_flowers(["fit", *DDP_RUN, "--trainer.devices=2", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2",
+             f"--data.data_dir={tiny_synthetic}", "--trainer.callbacks+=tests.helpers.callbacks.Probe",
              f"--trainer.callbacks.out_dir={probe}"], tmp_path)
 
     ranks = probes(probe, "fit")
@@ -142,9 +72,9 @@ def test_ddp_with_the_cache_trains_on_the_loaders_random_views(tmp_path, tiny_sy
     # keep the collate that draws each image's crop and flip: without it a cached batch would reach the
     # model as evaluation squares, un-augmented, and nothing would fail.
     probe = tmp_path / "probe"
-    flowers(["fit", *TINY, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+    run_flowers(["fit", *DDP_RUN, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
              "--trainer.limit_val_batches=1", "--data.cache=true", "--data.eval_image_size=80",
-             f"--data.data_dir={tiny_synthetic}", "--trainer.callbacks+=tests.ddp_probe.Probe",
+             f"--data.data_dir={tiny_synthetic}", "--trainer.callbacks+=tests.helpers.callbacks.Probe",
              f"--trainer.callbacks.out_dir={probe}"], tmp_path)
     ranks = probes(probe, "fit")
     assert sorted(ranks) == [0, 1]
@@ -166,14 +96,14 @@ def test_ddp_with_the_cache_trains_on_the_loaders_random_views(tmp_path, tiny_sy
 def test_a_resumed_ddp_run_with_the_cache_continues_exactly(tmp_path, tiny_synthetic):
     # Each rank draws its views from a generator seeded by one draw from its global generator, which
     # must stay in step on all ranks: the checkpoint holds rank 0's RNG state only, and gives it to all.
-    run = ["fit", *TINY, "--trainer.devices=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+    run = ["fit", *DDP_RUN, "--trainer.devices=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
            "--trainer.deterministic=true", "--data.cache=true", f"--data.data_dir={tiny_synthetic}"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for folder in (straight, resumed):
         folder.mkdir()
-    flowers([*run, "--trainer.max_epochs=3"], straight)
-    flowers([*run, "--trainer.max_epochs=1"], resumed)
-    flowers([*run, "--trainer.max_epochs=3", "--ckpt_path=last"], resumed)
+    run_flowers([*run, "--trainer.max_epochs=3"], straight)
+    run_flowers([*run, "--trainer.max_epochs=1"], resumed)
+    run_flowers([*run, "--trainer.max_epochs=3", "--ckpt_path=last"], resumed)
     last = Path("runs/flowers/version_0/checkpoints/last.ckpt")
     expected, got = state_dict(straight / last), state_dict(resumed / last)
     assert list(got) == list(expected)
@@ -184,7 +114,7 @@ def test_a_resumed_ddp_run_with_the_cache_continues_exactly(tmp_path, tiny_synth
 @pytest.mark.slow
 def test_lr_scaling_multiplies_the_learning_rate_by_the_process_count(tmp_path, tiny_synthetic):
     # Adam at 0.001 with a constant rate: the optimizer each rank stepped with says what the scaling did.
-    flowers(["fit", *TINY, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+    run_flowers(["fit", *DDP_RUN, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
              "--trainer.limit_val_batches=1", f"--data.data_dir={tiny_synthetic}", "--model.lr_scaling=linear",
              "--model.optimizer=torch.optim.Adam", "--model.optimizer.lr=0.001"], tmp_path)
     run = tmp_path / "runs" / "flowers" / "version_0"
@@ -197,7 +127,7 @@ def test_lr_scaling_multiplies_the_learning_rate_by_the_process_count(tmp_path, 
 @pytest.mark.slow
 def test_the_speedrun_recipe_under_ddp_scales_its_learning_rate_as_documented(tmp_path, tiny_synthetic):
     # docs/gpu.md: the global batch is devices x batch_size, and speedrun.yaml's AdamW rate grows with its root.
-    flowers(["fit", "--config", str(ROOT / "configs" / "speedrun.yaml"), *TINY, "--trainer.devices=2",
+    run_flowers(["fit", "--config", str(ROOT / "configs" / "speedrun.yaml"), *DDP_RUN, "--trainer.devices=2",
              "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
              "--data.start_image_size=64", "--data.image_size=80", "--data.eval_image_size=96",
              f"--data.data_dir={tiny_synthetic}"], tmp_path)
@@ -221,17 +151,18 @@ def eleven_val_images(tmp_path) -> Path:
 def test_distributed_validation_equals_single_process(tmp_path, eleven_val_images, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = [f"--data.data_dir={eleven_val_images}", "--data.eval_batch_size=2"]
-    fitted = cli_main(["fit", *TINY, "--trainer.strategy=auto", "--trainer.devices=1", "--trainer.max_epochs=1",
+    fitted = cli_main(["fit", *DDP_RUN, "--trainer.strategy=auto", "--trainer.devices=1", "--trainer.max_epochs=1",
                        *data])
     checkpoint = last_checkpoint(fitted.trainer)
-    single = cli_main(["validate", *TINY, "--trainer.strategy=auto", "--trainer.devices=1", *data,
+    single = cli_main(["validate", *DDP_RUN, "--trainer.strategy=auto", "--trainer.devices=1", *data,
                        f"--ckpt_path={checkpoint}"])
     expected = {k: float(v) for k, v in single.trainer.callback_metrics.items()}
 
     for world in (2, 3):
         probe = tmp_path / f"probe{world}"
-        flowers(["validate", *TINY, f"--trainer.devices={world}", *data, f"--ckpt_path={checkpoint}",
-                 "--trainer.callbacks+=tests.ddp_probe.Probe", f"--trainer.callbacks.out_dir={probe}"], tmp_path)
+        run_flowers(["validate", *DDP_RUN, f"--trainer.devices={world}", *data, f"--ckpt_path={checkpoint}",
+                     "--trainer.callbacks+=tests.helpers.callbacks.Probe", f"--trainer.callbacks.out_dir={probe}"],
+                    tmp_path)
         ranks = probes(probe, "validate")
         assert sorted(ranks) == list(range(world))
         shards = [ranks[r]["eval_shard"] for r in range(world)]
@@ -258,15 +189,16 @@ def plain_variables(node_rank: int, port: int, args: list[str], cwd: Path) -> su
 
 
 def tiny_fit(data: Path) -> list[str]:
-    return ["fit", *TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
-            "--trainer.limit_val_batches=1", f"--data.data_dir={data}", "--trainer.callbacks+=tests.ddp_probe.Probe"]
+    return ["fit", *DDP_RUN, "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
+            "--trainer.limit_val_batches=1", f"--data.data_dir={data}",
+            "--trainer.callbacks+=tests.helpers.callbacks.Probe"]
 
 
 @pytest.fixture(scope="module")
 def one_node_weights(tmp_path_factory, tiny_synthetic) -> dict[str, torch.Tensor]:
     """The reference: one machine, two ddp processes, the same data and seed."""
     folder = tmp_path_factory.mktemp("one_node")
-    flowers([*tiny_fit(tiny_synthetic), f"--trainer.callbacks.out_dir={folder / 'probe'}", "--trainer.devices=2"],
+    run_flowers([*tiny_fit(tiny_synthetic), f"--trainer.callbacks.out_dir={folder / 'probe'}", "--trainer.devices=2"],
             folder)
     return state_dict(folder / "runs" / "flowers" / "version_0" / "checkpoints" / "last.ckpt")
 
@@ -294,3 +226,79 @@ def test_two_nodes_on_localhost_train_like_one_node_with_two_processes(launch, t
     assert list(two_nodes) == list(one_node_weights)
     for key, expected in one_node_weights.items():
         torch.testing.assert_close(two_nodes[key], expected, rtol=0, atol=1e-6, msg=key)
+
+
+# -- a dead or hung rank ----------------------------------------------------------------------------------------
+# A dead peer's socket closes, so rank 0 fails at once ("Connection reset by peer"), before Lightning's launcher (which
+# polls its children every 5 s) kills it. A hung peer keeps its socket open: only the gloo timeout, --ddp_timeout, ends
+# rank 0 ("Timed out waiting 15000ms for recv operation").
+TIMEOUT_S = 15  # --ddp_timeout of the hang case: long enough for a slow start-up, short for a test
+
+
+def fault_fit(data: Path, marker: Path, action: str) -> list[str]:
+    return ["fit", *DDP_RUN, "--trainer.max_epochs=2", "--trainer.limit_train_batches=3",
+            "--trainer.limit_val_batches=1", f"--data.data_dir={data}", f"--ddp_timeout={TIMEOUT_S}",
+            "--trainer.callbacks+=tests.helpers.callbacks.Fault", f"--trainer.callbacks.marker={marker}",
+            f"--trainer.callbacks.action={action}", "--trainer.callbacks.epoch=1"]
+
+
+def wait_for(process: subprocess.Popen, timeout: float) -> str:
+    """Its output; fails (the finally of the caller kills) on a timeout: a rank 0 that never gives up."""
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank 0 still running after {timeout} s: it hangs")
+    return out
+
+
+def assert_peer_error(out: str) -> None:
+    assert "flowers: error: rank 0 lost contact with another ddp process" in out, out[-3000:]
+    assert "--ddp_timeout" in out and "--ckpt_path last" in out
+    assert "Traceback" not in out, out[-3000:]
+
+
+def assert_epoch_0_checkpoint(run_dir: Path) -> None:
+    # The failure came mid-epoch 1: last.ckpt is epoch 0's, complete and loadable.
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["epoch"] == 0 and "state_dict" in checkpoint
+
+
+@pytest.mark.slow
+def test_dead_rank_under_lightning_launcher_ends_the_run(tmp_path, tiny_synthetic):
+    marker = tmp_path / "fault"
+    process = start([sys.executable, "-m", "flowers", *fault_fit(tiny_synthetic, marker, "exit"),
+                     "--trainer.devices=2"], tmp_path)
+    try:
+        out = wait_for(process, timeout=180)
+        assert marker.is_file()  # rank 1 died where the test put the fault
+        assert process.returncode == 2, out[-3000:]  # our os._exit(2), not the launcher's SIGKILL (-9)
+        assert_peer_error(out)
+        assert_epoch_0_checkpoint(tmp_path / "runs" / "flowers" / "version_0")
+    finally:
+        kill(process)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["exit", "hang"])
+def test_two_nodes_rank_0_gives_up_on_a_dead_or_hung_peer(action, tmp_path, tiny_synthetic):
+    # No launcher between the nodes: only gloo's error or its timeout can end rank 0.
+    marker = tmp_path / "fault"
+    args = [*fault_fit(tiny_synthetic, marker, action), "--trainer.num_nodes=2", "--trainer.devices=1"]
+    port, processes = free_port(), []
+    try:
+        for node in (0, 1):
+            (tmp_path / f"node{node}").mkdir()
+            variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                         "NODE_RANK": str(node)}
+            processes.append(start([sys.executable, "-m", "flowers", *args], tmp_path / f"node{node}", variables))
+        out = wait_for(processes[0], timeout=180)
+        assert marker.is_file() and processes[0].returncode == 2, out[-3000:]
+        if action == "exit":  # the closed socket ended it, not the timeout
+            assert "Connection reset by peer" in out or "Connection closed by peer" in out
+        else:  # only the timeout --ddp_timeout set can end it
+            assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in out, out[-3000:]
+        assert_peer_error(out)
+        assert_epoch_0_checkpoint(tmp_path / "node0" / "runs" / "flowers" / "version_0")
+    finally:
+        for process in processes:
+            kill(process)  # the hung rank 1 would sleep on for minutes

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~)(\w*)\n(.*?)^\1", re.DOTALL | re.MULTILINE)
 SHELL = ("", "bash", "sh", "console", "shell")
-SCRIPTS = ("benchmarks/bench.py", "benchmarks/tta.py", "benchmarks/tutorial_loop.py")
+SCRIPTS = ("benchmarks/bench.py", "benchmarks/tutorial_loop.py")
 # Placeholders the docs use for numbers a reader fills in (machines M, processes N, rank R).
 NUMBERS = {"M": "2", "N": "2", "R": "0", "$((M * N))": "4"}
 

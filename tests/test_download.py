@@ -13,7 +13,8 @@ import pytest
 
 from flowers.data.download import fetch_flower_photos
 from flowers.errors import DataError
-from tests.conftest import TINY_RUN, make_tree
+from tests.helpers.images import make_tree
+from tests.helpers.runs import TINY_RUN
 
 CLASSES = {"daisy": 6, "roses": 6}
 

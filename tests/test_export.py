@@ -12,13 +12,13 @@ import torch
 
 from flowers.analysis import load
 from flowers.export import main
-from tests.trained_run import best_checkpoint, trained_run
-from tests.tutorial_alexnet import AlexNet as TutorialAlexNet
+from tests.helpers.runs import best_checkpoint
+from tests.helpers.tutorial_alexnet import AlexNet as TutorialAlexNet
 
 
 @pytest.fixture
-def ckpt(tmp_path_factory, tiny_synthetic) -> Path:
-    return best_checkpoint(trained_run(tmp_path_factory, tiny_synthetic))
+def ckpt(trained_run) -> Path:
+    return best_checkpoint(trained_run)
 
 
 def _reference(ckpt: Path, images: torch.Tensor) -> torch.Tensor:
@@ -70,28 +70,3 @@ def test_the_module_entry_dispatches_export_and_reports_a_missing_checkpoint(tmp
     assert done.returncode == 2 and "does not exist" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_installed_flowers_command_routes_export_and_the_lightning_subcommands(tmp_path):
-    command = Path(sys.executable).with_name("flowers")
-    if not command.is_file():
-        pytest.skip(f"no console script at {command}: flowers is not pip-installed in this environment")
-    export = subprocess.run([str(command), "export", "--ckpt_path", str(tmp_path / "no.ckpt")],
-                            capture_output=True, text=True, timeout=120)
-    assert export.returncode == 2 and "does not exist" in export.stderr
-    fit = subprocess.run([str(command), "fit", "--help"], capture_output=True, text=True, timeout=120)
-    assert fit.returncode == 0 and "--data.data_dir" in fit.stdout
-
-
-@pytest.mark.parametrize("entry", ["console script", "python -m"])
-def test_help_lists_every_subcommand_under_the_name_flowers(entry):
-    command = [str(Path(sys.executable).with_name("flowers"))] if entry == "console script" else \
-        [sys.executable, "-m", "flowers"]
-    if not Path(command[0]).is_file():
-        pytest.skip(f"no console script at {command[0]}: flowers is not pip-installed in this environment")
-    overview = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
-    assert overview.returncode == 0 and overview.stdout.startswith("usage: flowers ")
-    for subcommand in ("fit", "validate", "test", "predict", "export", "download"):
-        assert f"\n    {subcommand} " in overview.stdout, subcommand
-    # Each start imports torch (seconds): the console script's subcommands are run by the test above.
-    for subcommand in () if entry == "console script" else ("fit", "download"):
-        usage = subprocess.run([*command, subcommand, "--help"], capture_output=True, text=True, timeout=120)
-        assert usage.returncode == 0 and usage.stdout.startswith("usage: flowers "), usage.stdout[:80]

@@ -17,7 +17,7 @@ from torchmetrics.functional.classification import multiclass_precision, multicl
 
 from flowers import callbacks
 from flowers.cli import cli_main
-from tests.conftest import TINY_RUN
+from tests.helpers.runs import TINY_RUN
 
 EXTRAS = Path(__file__).resolve().parents[1] / "configs" / "extras"
 SMALL = [*TINY_RUN, "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2"]

@@ -18,7 +18,9 @@ from flowers.data.datasets import CachedBatch
 from flowers.module import FlowerClassifier
 from flowers.runs import last_checkpoint
 from flowers.schedules import WarmupCosineLR
-from tests.conftest import TINY_RUN, RecordOps, make_tree
+from tests.helpers.images import make_tree
+from tests.helpers.ops import RecordOps
+from tests.helpers.runs import TINY_RUN
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHORT = ["--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"]
@@ -39,7 +41,7 @@ def test_fit_with_the_cache_trains_through_the_cli(in_tmp):
     batch = next(iter(cli.datamodule.train_dataloader()))  # views drawn by the loader
     assert isinstance(batch, CachedTrainBatch) and batch.squares_or_indices.dtype == torch.uint8
     assert batch.boxes.shape == (len(batch.labels), 4) and batch.flip.dtype == torch.bool
-    assert cli.datamodule.channels_last  # linked from the model's setting
+    assert cli.datamodule.channels_last  # the model's setting, read from the model the data feeds
     images, _ = cli.datamodule.on_after_batch_transfer(batch, 0)
     assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
     # The cache and its lock file, beside the record of checked images.
@@ -73,8 +75,7 @@ def test_a_training_step_reads_nothing_back_to_the_host(tiny_synthetic, tmp_path
                 self.steps += 1
 
     record = RecordSteps()
-    data = FlowerDataModule(str(tiny_synthetic), image_size=64, batch_size=8, cache=True, num_workers=0,
-                            channels_last=True)
+    data = FlowerDataModule(str(tiny_synthetic), image_size=64, batch_size=8, cache=True, num_workers=0)
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=0,
                         precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], default_root_dir=tmp_path)
@@ -233,7 +234,7 @@ def test_eval_hflip_scores_an_image_and_its_mirror_alike():
 def test_every_rank_takes_the_same_cache_on_device_decision(in_tmp, monkeypatch):
     # A rank with room would hold the cache on its GPU while another read from host memory: different
     # loaders and RNG paths. The local answer goes through the strategy's all-ranks decision.
-    from flowers.data import datamodule as datamodule_module
+    from flowers.data.pipelines import cached as cached_pipeline
 
     data = make_tree(in_tmp / "photos", {"a": 4, "b": 4}, size=80)
     asked = []
@@ -247,7 +248,7 @@ def test_every_rank_takes_the_same_cache_on_device_decision(in_tmp, monkeypatch)
             return decision and self.others_agree
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**12, 10**12))  # plenty on this rank
-    monkeypatch.setattr(datamodule_module, "upload_in_chunks",
+    monkeypatch.setattr(cached_pipeline, "upload_in_chunks",
                         lambda pixels, device: torch.from_numpy(np.array(pixels)))
     for others_agree in (True, False):
         strategy = Strategy()
@@ -286,13 +287,14 @@ def test_the_cache_goes_to_the_device_a_slice_at_a_time():
 def test_a_cache_held_on_the_device_gives_the_same_batches(in_tmp, monkeypatch):
     # On CUDA the whole cache is uploaded once and batches carry indices; CI has no GPU, so here the
     # "device" copy is a CPU tensor: the same code path after the upload.
+    from flowers.data.pipelines.cached import CachedPipeline
     from flowers.errors import ConfigError
 
     data = make_tree(in_tmp / "photos", {"a": 6, "b": 6}, size=80)
     on_host = FlowerDataModule(str(data), image_size=64, batch_size=4, cache=True)
     on_host.setup("fit")
-    monkeypatch.setattr(FlowerDataModule, "_cache_to_device",
-                        lambda self, cache: torch.from_numpy(np.ascontiguousarray(cache.pixels)))
+    monkeypatch.setattr(CachedPipeline, "_cache_to_device",
+                        lambda self, cache, trainer: torch.from_numpy(np.ascontiguousarray(cache.pixels)))
     on_device = FlowerDataModule(str(data), image_size=64, batch_size=4, cache=True)
     on_device.setup("fit")
     assert on_device.num_workers == 0 and on_device.val_set.as_index

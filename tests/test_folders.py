@@ -14,7 +14,7 @@ from flowers.data.folders import (
     stratified_split,
 )
 from flowers.errors import DataError
-from tests.conftest import make_tree, write_images
+from tests.helpers.images import make_tree, write_images
 
 
 def test_classes_are_sorted_folder_names_and_hidden_ones_are_ignored(tmp_path):

@@ -4,8 +4,11 @@ A Lightning upgrade that renames or repurposes one fails here, by name."""
 
 from __future__ import annotations
 
+import inspect
+
 import lightning as L
 import torch
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -69,3 +72,40 @@ def test_logged_step_is_the_step_of_the_validation_scalars(tmp_path):
                         enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, data, data)
     assert model.val_steps == logger.steps["val/x"] == [2, 5]
+
+
+class _Progress(_Tiny):
+    """Records (batches done, batches per epoch) after each training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.progress: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.progress.append(lightning_internals.epoch_progress(self.trainer))
+
+
+def test_epoch_progress_counts_the_batches_the_epoch_has_finished(tmp_path):
+    data = DataLoader(TensorDataset(torch.randn(6, 2)), batch_size=2)
+    model = _Progress()
+    trainer = L.Trainer(max_epochs=2, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(model, data)
+    # After batch i of an epoch, i + 1 are done (Lightning counts a batch processed once its step has run).
+    assert model.progress == [(1, 3), (2, 3), (3, 3)] * 2
+
+
+def test_each_once_sampler_gives_every_image_to_exactly_one_rank():
+    dataset = list(range(7))
+    shards = [list(lightning_internals.each_once_sampler(dataset, num_replicas=3, rank=r)) for r in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_lightning_cli_records_the_instantiator_and_class_path_keys_flowers_checks(tmp_path):
+    from flowers.cli import cli_main
+
+    cli = cli_main(["--trainer.logger=false", "--data.image_size=64"], run=False)
+    assert cli.model.hparams[lightning_internals.INSTANTIATOR_KEY] == lightning_internals.LIGHTNING_INSTANTIATOR
+    # A subclass-mode model's class: LightningCLI reads it back from a checkpoint under this key.
+    assert f'"{lightning_internals.CLASS_PATH_KEY}"' in inspect.getsource(LightningCLI._parse_ckpt_path)

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import LearningRateFinder
 from flowers.callbacks import LR_FINDER_PLOT
 from flowers.cli import cli_main
 from flowers.module import FlowerClassifier
-from tests.conftest import TINY_RUN
+from tests.helpers.runs import TINY_RUN
 
 
 class LearningRateAtStart(L.Callback):

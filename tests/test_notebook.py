@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trained_run import best_checkpoint, trained_run
+from tests.helpers.runs import best_checkpoint
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "explore_checkpoints.ipynb"
 
@@ -19,10 +19,14 @@ def test_the_notebook_is_committed_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
-def test_the_notebook_runs_against_a_trained_checkpoint(tmp_path_factory, tiny_synthetic, monkeypatch):
+@pytest.mark.parametrize("network", ["tutorial_alexnet", pytest.param("resnet18", marks=pytest.mark.slow)])
+def test_the_notebook_runs_against_a_trained_checkpoint(network, request, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    ckpt = best_checkpoint(trained_run(tmp_path_factory, tiny_synthetic))
+    if network == "tutorial_alexnet":
+        ckpt = best_checkpoint(request.getfixturevalue("trained_run"))
+    else:  # another backbone's run: its network is rebuilt from what the checkpoint says
+        ckpt = request.getfixturevalue("backbone_run")(network) / "checkpoints" / "last.ckpt"
     root = ckpt.parents[4]  # the folder the run was trained in: root/runs/flowers/version_0/checkpoints/
     # The kernel inherits these: the checkpoint to open, and where the run's relative paths resolve.
     monkeypatch.setenv("FLOWERS_CKPT", str(ckpt))

@@ -11,7 +11,7 @@ import yaml
 
 from flowers import precision
 from flowers.cli import cli_main
-from tests.conftest import TINY_RUN
+from tests.helpers.runs import TINY_RUN
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ONE_STEP = ["--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1"]

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 from flowers.cli import cli_main, main
-from tests.conftest import TINY_RUN, write_images
-from tests.trained_run import best_checkpoint, trained_run
+from tests.helpers.images import write_images
+from tests.helpers.runs import TINY_RUN, best_checkpoint
 
 NAMES = ["daisy", "dandelion", "rose", "sunflower", "tulip"]
 
 
 @pytest.fixture
-def ckpt(tmp_path_factory, tiny_synthetic) -> Path:
-    return best_checkpoint(trained_run(tmp_path_factory, tiny_synthetic))
+def ckpt(trained_run) -> Path:
+    return best_checkpoint(trained_run)
 
 
 def _predict(ckpt: Path, *args: str):

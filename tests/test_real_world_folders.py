@@ -13,7 +13,8 @@ from flowers.data.folders import drop_unreadable, list_images
 from flowers.data.images import load_rgb
 from flowers.data.transforms import eval_transform, train_transform
 from flowers.errors import DataError
-from tests.conftest import TINY_RUN, write_images
+from tests.helpers.images import write_images
+from tests.helpers.runs import TINY_RUN
 
 CROP = 64  # TINY_RUN's image size
 

@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from flowers.cli import cli_main
-from tests.conftest import TINY_RUN
+from tests.helpers.runs import TINY_RUN
 
 ARGS = [*TINY_RUN, "--trainer.deterministic=true", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
         "--seed_everything=7"]

@@ -8,159 +8,38 @@ import os
 import shutil
 import signal
 import socket
-import struct
-import subprocess
-import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import yaml
 from PIL import Image
 
 from flowers.__main__ import main as flowers_main
 from flowers.__main__ import overview
 from flowers.analysis import image_size_of, load, predict
 from flowers.data.images import load_rgb, load_rgb_bytes
-from flowers.data.synthetic import draw_flower
-from tests.conftest import write_images
-from tests.trained_run import best_checkpoint, trained_run
+from tests.helpers.runs import best_checkpoint
+from tests.helpers.serving import (
+    TOP_K,
+    Server,
+    assert_one_line_error,
+    bilevel_png,
+    httpx,
+    photo_files,
+    post_raw,
+    stop_all,
+)
 
-httpx = pytest.importorskip("httpx", reason="the serve tests talk HTTP with httpx (pip install -e '.[dev]')")
 pytest.importorskip("litserve", reason="flowers serve runs on LitServe (pip install -e '.[serve]')")
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_K = 3
-_CACHE: dict[str, object] = {}  # one run and its servers for the whole session, shared with the browser test
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Server:
-    """``python -m flowers serve ARGS --port P`` in its own process group, its output in a log file."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "flowers", "serve", *args, "--port", str(self.port)],
-                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 180) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"flowers serve exited with {self.process.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"flowers serve was not ready within {timeout} s:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()  # the command's SIGTERM handler stops its HTTP and worker processes
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of its group is left
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-
-
-def stop_all(servers: list[Server]) -> None:
-    for server in servers:
-        if server.process.poll() is None:
-            server.process.terminate()  # all at once: each takes a few seconds to shut down
-    for server in servers:
-        server.stop()
-
-
-def mirror_run(tmp_path_factory, tiny_synthetic) -> Path:
-    """A copy of the shared tiny run with mirror-image evaluation (``eval_hflip``) on, in checkpoint and config."""
-    if "run" not in _CACHE:
-        source = trained_run(tmp_path_factory, tiny_synthetic)
-        run = tmp_path_factory.mktemp("mirror") / "version_0"
-        (run / "checkpoints").mkdir(parents=True)
-        state = torch.load(best_checkpoint(source), map_location="cpu", weights_only=True)
-        state["hyper_parameters"]["eval_hflip"] = True
-        torch.save(state, run / "checkpoints" / "best.ckpt")
-        config = yaml.safe_load((source / "config.yaml").read_text())
-        config["model"]["eval_hflip"] = True
-        (run / "config.yaml").write_text(yaml.safe_dump(config))
-        shutil.copy(source / "checkpoints" / "class_indices.json", run / "checkpoints")
-        _CACHE["run"] = run
-    return _CACHE["run"]
-
-
-# The shared checkpoint server's limits, small enough for tests/test_serve_hostile.py to reach them quickly.
-BODY_TIMEOUT_S = 3
-MAX_UPLOADS = 20
-DECODE_BUDGET_MB = 400
-
-
-def shared_servers(request, tmp_path_factory, tiny_synthetic) -> dict[str, Server]:
-    """Two servers, started together so that their start-ups overlap: the mirror-image checkpoint with a 100 ms
-    window (concurrent requests surely share batches) and small limits, and its ONNX export."""
-    if "servers" not in _CACHE:
-        from flowers.export import export
-
-        ckpt = mirror_run(tmp_path_factory, tiny_synthetic) / "checkpoints" / "best.ckpt"
-        logs = tmp_path_factory.mktemp("serve")
-        started: list[Server] = []
-        request.addfinalizer(lambda: stop_all(started))
-        started.append(Server(["--ckpt_path", str(ckpt), "--batch_window_ms", "100", "--max_batch_size", "8",
-                               "--top_k", str(TOP_K), "--body_timeout_s", str(BODY_TIMEOUT_S),
-                               "--max_uploads", str(MAX_UPLOADS), "--decode_budget_mb", str(DECODE_BUDGET_MB)],
-                              logs / "checkpoint.log"))
-        folder = export(ckpt, "onnx").parent  # the run's checkpoints/export/: serve finds the file by its suffix
-        started.append(Server(["--ckpt_path", str(folder)], logs / "onnx.log"))
-        _CACHE["servers"] = {"checkpoint": started[0].wait_ready(), "onnx": started[1].wait_ready()}
-    return _CACHE["servers"]
 
 
 @pytest.fixture(scope="session")
-def served(request, tmp_path_factory, tiny_synthetic) -> Server:
-    return shared_servers(request, tmp_path_factory, tiny_synthetic)["checkpoint"]
-
-
-@pytest.fixture(scope="session")
-def onnx_served(request, tmp_path_factory, tiny_synthetic) -> Server:
-    return shared_servers(request, tmp_path_factory, tiny_synthetic)["onnx"]
-
-
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory, tiny_synthetic) -> Path:
-    return mirror_run(tmp_path_factory, tiny_synthetic) / "checkpoints" / "best.ckpt"
-
-
-def photo_files(folder: Path) -> dict[Path, str]:
-    """Photos and the Content-Type each is sent with: a JPEG, a PNG with transparency, a grayscale JPEG, and a drawn
-    flower at a size the model doesn't use, sent as plain bytes."""
-    noise = write_images(folder / "noise", 1)[0]
-    rgba = folder / "clear.png"
-    pixels = np.random.default_rng(1).integers(0, 256, (50, 80, 4), dtype=np.uint8)
-    Image.fromarray(pixels, "RGBA").save(rgba)
-    gray = folder / "gray.jpg"
-    Image.fromarray(np.random.default_rng(2).integers(0, 256, (90, 60), dtype=np.uint8), "L").save(gray)
-    flower = folder / "rose.jpg"
-    draw_flower(2, np.random.default_rng(3), size=180).save(flower, quality=90)
-    return {noise: "image/jpeg", rgba: "image/png", gray: "image/jpeg", flower: "application/octet-stream"}
+def ckpt(mirror_run) -> Path:
+    return mirror_run / "checkpoints" / "best.ckpt"
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +61,6 @@ def assert_same_answer(answer: dict, row: dict) -> None:
     assert [t["class"] for t in answer["top"]] == [t["class"] for t in row["top_k"]]
     np.testing.assert_allclose([t["probability"] for t in answer["top"]], [t["prob"] for t in row["top_k"]],
                                rtol=0, atol=1e-5)
-
-
-def post_raw(url: str, data: bytes, content_type: str) -> httpx.Response:
-    return httpx.post(f"{url}/predict", content=data, headers={"Content-Type": content_type}, timeout=60)
 
 
 def test_predict_answers_as_flowers_predict_for_raw_bytes_and_a_multipart_form(served, ckpt, photos, reference):
@@ -220,24 +95,15 @@ def test_health_info_and_the_page(served, ckpt):
     assert '<input id="file" type="file"' in page.text and 'fetch("predict"' in page.text
 
 
-def png(width: int, height: int, rows: bytes) -> bytes:
-    """A 1-bit grayscale PNG of the given size whose pixel rows are ``rows``, compressed."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
-
-
 def bad_requests(photo: bytes) -> list[tuple[str, int, dict]]:
     side = 10_000  # 100 M pixels, over PIL's 89 M: a valid 12 kB file that would decode to 300 MB of RGB
-    bomb = png(side, side, (b"\x00" + bytes(side // 8)) * side)
+    bomb = bilevel_png(side, side, (b"\x00" + bytes(side // 8)) * side)
     over = os.urandom(20 * 2**20 + 1)
     return [
         ("not an image", 422, {"content": b"just some text, no pixels", "headers": {"Content-Type": "image/jpeg"}}),
         ("a truncated JPEG", 422, {"content": photo[: len(photo) // 2], "headers": {"Content-Type": "image/jpeg"}}),
         ("a decompression bomb", 413, {"content": bomb, "headers": {"Content-Type": "image/png"}}),
-        ("20,000 x 20,000 pixels", 413, {"content": png(20_000, 20_000, b"\x00" * 2501),
+        ("20,000 x 20,000 pixels", 413, {"content": bilevel_png(20_000, 20_000, b"\x00" * 2501),
                                          "headers": {"Content-Type": "image/png"}}),
         ("an empty body", 400, {"content": b"", "headers": {"Content-Type": "image/jpeg"}}),
         ("an empty file field", 400, {"files": {"file": ("empty.jpg", b"")}}),
@@ -252,13 +118,6 @@ def bad_requests(photo: bytes) -> list[tuple[str, int, dict]]:
                                        "headers": {"Content-Type": "image/jpeg"}}),
         ("over 20 MiB in a form", 413, {"files": {"file": ("big.jpg", over)}}),
     ]
-
-
-def assert_one_line_error(response: httpx.Response, status: int, what: str) -> None:
-    assert response.status_code == status, (what, response.status_code, response.text)
-    assert "\n" not in response.text.strip() and "Traceback" not in response.text, what
-    body = response.json()
-    assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"], what
 
 
 def test_bad_requests_get_a_4xx_with_one_line_of_json_and_the_server_keeps_serving(served, photos, reference):
@@ -393,14 +252,14 @@ def test_load_rgb_bytes_gives_the_pixels_load_rgb_gives(photos, tmp_path):
         assert np.array_equal(np.asarray(from_bytes), np.asarray(load_rgb(str(path)))), path
     assert load_rgb_bytes(rotated.read_bytes()).size == (40, 80)
     with pytest.raises(Image.DecompressionBombError):
-        load_rgb_bytes(png(10_000, 10_000, (b"\x00" + bytes(1250)) * 10_000))
+        load_rgb_bytes(bilevel_png(10_000, 10_000, (b"\x00" + bytes(1250)) * 10_000))
 
 
-def test_best_and_last_name_the_newest_runs_checkpoints(tmp_path_factory, tiny_synthetic, tmp_path, monkeypatch):
+def test_best_and_last_name_the_newest_runs_checkpoints(trained_run, tmp_path, monkeypatch):
     from flowers.errors import ConfigError
     from flowers.serve.model import find_model
 
-    run = trained_run(tmp_path_factory, tiny_synthetic)
+    run = trained_run
     monkeypatch.chdir(run.parents[2])  # where `fit` ran: runs/flowers/version_0 lies below
     assert find_model("best").resolve() == best_checkpoint(run).resolve()
     assert find_model("last").resolve() == (run / "checkpoints" / "last.ckpt").resolve()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_serve import TOP_K, httpx, photo_files, shared_servers
+from tests.helpers.serving import TOP_K, httpx, photo_files
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="the page test drives chromium with Selenium ('.[dev]')")
 from selenium.common.exceptions import WebDriverException  # noqa: E402
@@ -32,11 +32,6 @@ def browser():
         pytest.skip(f"chromium could not start: {' '.join(str(failure.msg).split())[:300]}")
     yield session
     session.quit()
-
-
-@pytest.fixture(scope="session")
-def served(request, tmp_path_factory, tiny_synthetic):
-    return shared_servers(request, tmp_path_factory, tiny_synthetic)["checkpoint"]
 
 
 def test_a_photo_picked_on_the_page_shows_the_servers_top_classes(browser, served, tmp_path):

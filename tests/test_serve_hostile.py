@@ -1,5 +1,5 @@
 """flowers serve against hostile clients: images that cost gigabytes to decode, stalled and vanishing clients, and
-more uploads than it takes at once. Against the shared server of tests/test_serve.py (its limits are small on
+more uploads than it takes at once. Against the shared server of tests/conftest.py (its limits are small on
 purpose), its HTTP process's memory read from /proc."""
 
 from __future__ import annotations
@@ -7,103 +7,40 @@ from __future__ import annotations
 import io
 import os
 import socket
-import struct
 import sys
 import threading
 import time
-import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.test_serve import (
+from tests.helpers.serving import (
     DECODE_BUDGET_MB,
     MAX_UPLOADS,
+    SIDE,
     assert_one_line_error,
     httpx,
+    jpeg_photo,
+    memory_mib,
     photo_files,
+    png_of,
     post_raw,
-    shared_servers,
+    process_named,
+    raw_upload,
+    read_all,
+    reset_peak,
 )
 
 MIB = 2**20
-SIDE = 9_400  # 88 M pixels, under PIL's limit of 89 M: the largest square an upload may be
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads memory figures from /proc")
-
-
-def png(width: int, height: int, depth: int, color: int, row: bytes, *, idat: bool = True) -> bytes:
-    """A PNG whose every pixel row is ``row`` (its filter byte first); with ``idat=False``, the header only."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0))
-    if not idat:
-        return b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(row)) + chunk(b"IEND", b"")
-    packer = zlib.compressobj(6)
-    data = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
-    return b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", data) + chunk(b"IEND", b"")
 
 
 @pytest.fixture(scope="module")
 def deep_png() -> bytes:
     """A 16-bit grayscale PNG of 9,400 x 9,400 in about 1 MB: 177 MB of pixels, 265 MB to decode to 8 bits."""
-    return png(SIDE, SIDE, 16, 0, b"\x00" + (np.arange(SIDE, dtype=">u2") * 7).tobytes())
-
-
-def jpeg_photo(width: int, height: int) -> bytes:
-    """A smooth photo-like JPEG of the given size, as a phone sends it."""
-    small = np.random.default_rng(5).integers(0, 256, (12, 16, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=90)
-    return buffer.getvalue()
-
-
-def server_processes(root: int) -> dict[int, str]:
-    """The server's processes, its main one included: PID -> name (``/proc/PID/comm``)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += [child for child, parent in parents.items() if parent == pid]
-    names = {}
-    for pid in found:
-        try:
-            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-    return names
-
-
-def process_named(root: int, name: str) -> int:
-    (pid,) = [pid for pid, comm in server_processes(root).items() if comm == name]
-    return pid
-
-
-def memory_mib(pid: int, field: str) -> float:
-    """``VmRSS`` (resident now) or ``VmHWM`` (the peak since the last ``reset_peak``), in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def reset_peak(pid: int) -> None:
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the kernel starts VmHWM again from VmRSS
-
-
-@pytest.fixture(scope="session")
-def served(request, tmp_path_factory, tiny_synthetic):
-    return shared_servers(request, tmp_path_factory, tiny_synthetic)["checkpoint"]
+    return png_of(SIDE, SIDE, 16, 0, b"\x00" + (np.arange(SIDE, dtype=">u2") * 7).tobytes())
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +93,7 @@ def test_a_burst_of_large_images_queues_for_the_decode_budget(served, http_proce
 
 def test_an_image_that_needs_more_than_the_whole_budget_is_refused_from_its_header(served):
     # An RGBA PNG of 9,400 x 9,400 needs about 800 MB to decode and composite on white; its pixels needn't exist.
-    header_only = png(SIDE, SIDE, 8, 6, b"\x00" * 64, idat=False)
+    header_only = png_of(SIDE, SIDE, 8, 6, b"\x00" * 64, idat=False)
     response = post_raw(served.url, header_only, "image/png")
     assert_one_line_error(response, 413, "over the decode budget")
     assert "--decode_budget_mb" in response.json()["error"] and "9400 x 9400" in response.json()["error"]
@@ -170,23 +107,6 @@ def test_a_48_megapixel_phone_photo_decodes_reduced(served, http_process):
     assert response.status_code == 200, response.text
     peak = memory_mib(http_process, "VmHWM") - before
     assert peak < 48, f"a 48 MP JPEG took {peak:.0f} MiB at its peak (192 MB decoded whole)"
-
-
-def raw_upload(url: str, declared: int, body: bytes) -> socket.socket:
-    """A connection that sent a POST /predict's headers, saying ``declared`` bytes of body, then ``body`` only."""
-    host, port = url.removeprefix("http://").split(":")
-    connection = socket.create_connection((host, int(port)), timeout=30)
-    connection.sendall(b"POST /predict HTTP/1.1\r\nHost: test\r\nContent-Type: image/jpeg\r\n"
-                       + f"Content-Length: {declared}\r\n\r\n".encode() + body)
-    return connection
-
-
-def read_all(connection: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (at most 30 s, the socket's timeout)."""
-    received = b""
-    while chunk := connection.recv(65536):
-        received += chunk
-    return received
 
 
 def log_lines(served) -> list[str]:

@@ -13,8 +13,17 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_serve import Server, httpx, mirror_run
-from tests.test_serve_hostile import SIDE, jpeg_photo, memory_mib, png, raw_upload, read_all, server_processes
+from tests.helpers.serving import (
+    SIDE,
+    Server,
+    httpx,
+    jpeg_photo,
+    memory_mib,
+    png_of,
+    raw_upload,
+    read_all,
+    server_processes,
+)
 
 # The load's wall time: 15 s in the suite (about 30 s with the server's start and stop on 2 cores); the figures in
 # docs/serving.md come from FLOWERS_SOAK_S=30.
@@ -40,14 +49,13 @@ def total_rss_mib(main: int) -> float:
     return total
 
 
-def test_the_server_stays_up_answers_and_stays_within_its_memory_under_a_hostile_mix(tmp_path_factory,
-                                                                                     tiny_synthetic, tmp_path):
-    ckpt = mirror_run(tmp_path_factory, tiny_synthetic) / "checkpoints" / "best.ckpt"
+def test_the_server_stays_up_answers_and_stays_within_its_memory_under_a_hostile_mix(mirror_run, tmp_path):
+    ckpt = mirror_run / "checkpoints" / "best.ckpt"
     good = jpeg_photo(640, 480)
-    largest = png(SIDE, SIDE, 16, 0, b"\x00" + (np.arange(SIDE, dtype=">u2") * 7).tobytes())
+    largest = png_of(SIDE, SIDE, 16, 0, b"\x00" + (np.arange(SIDE, dtype=">u2") * 7).tobytes())
     bombs = [  # each with the status it must get
-        (png(10_000, 10_000, 1, 0, b"\x00" + bytes(1250)), 413),  # over PIL's pixel limit
-        (png(SIDE, SIDE, 8, 6, b"\x00" * 64, idat=False), 413),  # RGBA: over the whole decode budget
+        (png_of(10_000, 10_000, 1, 0, b"\x00" + bytes(1250)), 413),  # over PIL's pixel limit
+        (png_of(SIDE, SIDE, 8, 6, b"\x00" * 64, idat=False), 413),  # RGBA: over the whole decode budget
         (b"GIF89a, and then nothing an image needs", 422),
         (largest[: len(largest) // 3], 422),  # truncated
     ]

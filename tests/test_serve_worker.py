@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_serve import Server, assert_one_line_error, httpx, mirror_run, photo_files
+from tests.helpers.serving import Server, assert_one_line_error, httpx, photo_files
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker's PID in /proc")
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory, tiny_synthetic) -> Path:
-    return mirror_run(tmp_path_factory, tiny_synthetic) / "checkpoints" / "best.ckpt"
+def checkpoint(mirror_run) -> Path:
+    return mirror_run / "checkpoints" / "best.ckpt"
 
 
 def workers(main: int) -> set[int]:

@@ -18,7 +18,7 @@ import torch
 
 from flowers.cli import cli_main
 from flowers.module import FlowerClassifier
-from tests.test_ddp import finish, start
+from tests.helpers.processes import finish, start
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = [None, "tutorial.yaml", "quickstart.yaml", "best.yaml"]  # gpu/dp/ddp/multinode/slurm need GPUs or clusters

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowers.cli import cli_main
-from tests.conftest import TINY_RUN
+from tests.helpers.runs import TINY_RUN
 
 # The recipe as written, on tiny images: progressive resizing from 64 to 80 px, evaluated at 96.
 SMALL = [*TINY_RUN, "--trainer.max_epochs=4", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",

@@ -1,6 +1,6 @@
 """strategy="dp" on CPU: registration, refusals, state_dict keys and the autocast-dtype fix for replicas.
 
-The real scatter/gather needs CUDA; benchmarks/gpu/check_modes.sh runs it on a GPU machine.
+The real scatter/gather needs CUDA; tests/gpu/test_modes.py runs it on a GPU machine (`make test-gpu`).
 """
 
 import threading
@@ -17,7 +17,7 @@ from flowers.errors import ConfigError
 from flowers.module import FlowerClassifier
 from flowers.runs import last_checkpoint
 from flowers.strategies import AutocastReplica, DataParallelStrategy
-from tests.conftest import TINY_RUN
+from tests.helpers.runs import TINY_RUN
 
 
 def test_dp_is_registered_on_import():

@@ -1,4 +1,5 @@
-"""`python benchmarks/tta.py` times whole processes to each accuracy, beside the tutorial's loop, on one split."""
+"""`python benchmarks/bench.py --tta` times whole processes to each accuracy, beside the tutorial's loop, on one
+split."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TINY_FIT = ("--trainer.accelerator=cpu --trainer.devices=1 --trainer.max_epochs=2 --trainer.limit_train_batches=2 "
             "--trainer.limit_val_batches=2 --data.image_size=64 --data.batch_size=4 --data.num_workers=0")
+TINY_LOOP = "--epochs 2 --image-size 64 --batch-size 4 --num-workers 0"
 
 
 @pytest.fixture(scope="module")
 def tta():
-    spec = importlib.util.spec_from_file_location("tta", ROOT / "benchmarks" / "tta.py")
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -23,9 +25,9 @@ def tta():
 
 def test_tta_times_each_recipe_and_the_loop_per_seed(tta, tiny_synthetic, tmp_path, capsys):
     out = tmp_path / "tta.json"
-    assert tta.main(["--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml", "--seeds", "3",
-                     "--loop-epochs", "2", "--targets", "0.0,1.01", "--fit-args", TINY_FIT,
-                     "--loop-args", "--image-size 64 --batch-size 4 --num-workers 0", "--json", str(out)]) == 0
+    assert tta.main(["--tta", "--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml",
+                     "--seed", "3", "--repeats", "1", "--targets", "0.0,1.01", "--fit-args", TINY_FIT,
+                     "--loop-args", TINY_LOOP, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "tutorial loop (2 epochs)" in printed and "configs/quickstart.yaml" in printed
     assert "[0/1]" in printed  # nobody reaches 1.01: said, not hidden
@@ -56,9 +58,9 @@ def test_the_warm_up_validates_its_one_epoch_whatever_the_fit_args_say(tta, tmp_
         calls.append(extra)
         return {"epochs": [{"epoch": 1, "val_acc": 0.5, "time_s": 1.0}], "total_s": 2.0}
 
-    monkeypatch.setattr(tta, "run_fit", fake_fit)
-    assert tta.main(["--data-dir", str(tmp_path), "--recipe", "configs/best.yaml", "--seeds", "0", "--no-loop",
-                     "--fit-args=--trainer.check_val_every_n_epoch=5"]) == 0
+    monkeypatch.setattr(tta, "fit_process", fake_fit)
+    assert tta.main(["--tta", "--data-dir", str(tmp_path), "--recipe", "configs/best.yaml", "--repeats", "1",
+                     "--no-loop", "--fit-args=--trainer.check_val_every_n_epoch=5"]) == 0
     warm_up, timed = calls
     # Later flags win: a warm-up that never validated would leave no val/acc to read.
     assert warm_up.index("--trainer.check_val_every_n_epoch=1") > warm_up.index("--trainer.check_val_every_n_epoch=5")
@@ -68,8 +70,9 @@ def test_the_warm_up_validates_its_one_epoch_whatever_the_fit_args_say(tta, tmp_
 @pytest.mark.slow
 def test_an_ablation_is_the_first_recipe_with_settings_changed(tta, tiny_synthetic, tmp_path, capsys):
     out = tmp_path / "tta.json"
-    assert tta.main(["--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml", "--seeds", "0",
-                     "--no-loop", "--fit-args", TINY_FIT, "--ablate", "trainer.max_epochs=1", "--json", str(out)]) == 0
+    assert tta.main(["--tta", "--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml",
+                     "--repeats", "1", "--no-loop", "--fit-args", TINY_FIT, "--ablate", "trainer.max_epochs=1",
+                     "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     runs = report["recipes"]
     assert list(runs) == ["configs/quickstart.yaml", "configs/quickstart.yaml with trainer.max_epochs=1"]
@@ -85,5 +88,5 @@ def test_the_table_gives_medians_with_min_and_max_over_the_seeds(tta):
 
     report = {"config": {"targets": [0.7], "seeds": [0, 1, 2], "train_images": 9, "val_images": 3}, "warm_up_s": {},
               "recipes": {"r": [run(0, 0.71, 10.0), run(1, 0.75, 12.0), run(2, 0.69, 30.0)]}}
-    row = next(line for line in tta.table(report).splitlines() if line.startswith("r "))
+    row = next(line for line in tta.tta_table(report).splitlines() if line.startswith("r "))
     assert "0.710 (0.690–0.750)" in row and "11.0 s (10.0–12.0) [2/3]" in row and "13.0 s (11.0–31.0)" in row

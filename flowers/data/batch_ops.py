@@ -3,7 +3,7 @@
 They act on the float batch and its labels, so the PIL path and the cached path share them
 (``FlowerDataModule.on_after_batch_transfer``). Mixing turns the labels into soft ones (``N × classes``,
 rows summing to 1), which ``nn.CrossEntropyLoss`` takes as they are (label smoothing included). The draws
-come from torch's global generator on the host, which checkpoints save (flowers.checkpointing), so a resumed
+come from torch's global generator on the host, which checkpoints save (flowers.rng_state), so a resumed
 run draws what an uninterrupted one would.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.distributions import Beta
@@ -96,3 +97,19 @@ def random_erase(
               & (cols >= left.view(-1, 1, 1)) & (cols < (left + w).view(-1, 1, 1)) & chosen.view(-1, 1, 1))
     # In place on a copy: the out-of-place masked_fill would drop a channels_last layout.
     return images.clone().masked_fill_(inside.unsqueeze(1).to(images.device, non_blocking=True), 0)
+
+
+@dataclass(frozen=True)
+class BatchAugment:
+    """The augmentations every training pipeline's batches get, in their order: random erasing, then mixup or
+    cutmix (the DataModule's arguments of the same names)."""
+
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    random_erasing: float = 0.0
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, *,
+                 num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = random_erase(images, prob=self.random_erasing)
+        return mix_batch(images, labels, num_classes=num_classes, mixup_alpha=self.mixup_alpha,
+                         cutmix_alpha=self.cutmix_alpha)

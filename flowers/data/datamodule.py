@@ -9,17 +9,15 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
-from torchvision.transforms.v2 import functional as F
 
-from flowers.checkpointing import epoch_progress
+from flowers import lightning_internals
 from flowers.data import synthetic
-from flowers.data.batch_augment import CachedTrainBatch, WithTrainViews, crop_flip_normalise, eval_batch
-from flowers.data.batch_ops import mix_batch, random_erase
-from flowers.data.cache import CACHE_FOLDER, ImageCache, cache_side, ensure_cache, fitting_side, upload_in_chunks
-from flowers.data.datasets import CachedBatch, CachedImages, LabelledImages, UnlabelledImages
+from flowers.data.batch_ops import BatchAugment
+from flowers.data.cache import CACHE_FOLDER
+from flowers.data.datasets import LabelledImages, UnlabelledImages
 from flowers.data.download import (
     DEFAULT_DIR,
     FLOWER_PHOTOS_SHA256,
@@ -36,22 +34,22 @@ from flowers.data.folders import (
     list_images,
     stratified_split,
 )
+from flowers.data.pipelines import BatchContext, TrainImages, TrainingPipeline, settings_from
+from flowers.data.pipelines.cached import CachedPipeline, CachedSettings
+from flowers.data.pipelines.pil import PilPipeline, PilSettings
 from flowers.data.resizing import size_at_epoch
 from flowers.data.sampling import EpochSampler, ResumableLoader
-from flowers.data.transforms import (
-    TUTORIAL_MEAN,
-    TUTORIAL_STD,
-    AutoAugment,
-    auto_augment_transform,
-    eval_transform,
-    train_transform,
-)
+from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD, AutoAugment, eval_transform
 from flowers.errors import ConfigError, DataError
 from flowers.files import special_kind
 
 
 class FlowerDataModule(L.LightningDataModule):
     """Flower photos from an ImageFolder tree, or the embedded synthetic set when ``data_dir`` is unset.
+
+    The training and validation images reach the model through one training pipeline (flowers.data.pipelines):
+    decoded and augmented one at a time in PIL, or with ``cache``, read from a decoded cache and augmented a
+    whole batch at a time on the training device.
 
     Args:
         data_dir: ``root/<class>/…`` (split by ``val_split``) or ``root/train/<class>/…`` plus
@@ -100,11 +98,15 @@ class FlowerDataModule(L.LightningDataModule):
         pin_memory: page-locked host batches for faster copies to the GPU; unset: on when training on CUDA.
         drop_last: leave out each epoch's last, smaller training batch, so every step has one shape: CUDA
             graphs (``model.compile_mode=reduce-overhead``) then replay one graph instead of recording another.
-        channels_last: build the cached batches in NHWC memory order, for a channels_last model (which
-            would otherwise copy every float batch). The CLI links it from ``model.channels_last``.
         mean, std: the per-channel normalisation. Unset: the one ``model.weights`` were trained with
             (ImageNet's for torchvision's weights), else the tutorial's 0.5; the run's config.yaml records it.
     """
+
+    # The settings that rebuild a run's validation split and its evaluation from the run's config.yaml.
+    SPLIT_SETTINGS = ("data_dir", "val_split", "split_seed", "image_size", "eval_image_size", "eval_batch_size",
+                      "batch_size", "synthetic_dir", "synthetic_per_class", "synthetic_size")
+    # The settings TensorBoard's HPARAMS tab shows beside the model's: those that change a run's results.
+    LOGGED_SETTINGS = ("data_dir", "image_size", "eval_image_size", "batch_size", "val_split", "split_seed")
 
     def __init__(
         self,
@@ -139,7 +141,6 @@ class FlowerDataModule(L.LightningDataModule):
         cache_on_device: bool | None = None,
         pin_memory: bool | None = None,
         drop_last: bool = False,
-        channels_last: bool = False,
         mean: list[float] | None = None,
         std: list[float] | None = None,
     ) -> None:
@@ -183,7 +184,6 @@ class FlowerDataModule(L.LightningDataModule):
         self.start_image_size = start_image_size
         self.resize_ramp = tuple(resize_ramp)
         self.auto_augment = auto_augment
-        self._tensor_augment = auto_augment_transform(auto_augment)
         self.mixup_alpha, self.cutmix_alpha, self.random_erasing = mixup_alpha, cutmix_alpha, random_erasing
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -197,12 +197,14 @@ class FlowerDataModule(L.LightningDataModule):
         self.cache = cache
         self.cache_dir = Path(cache_dir)
         self.cache_on_device = cache_on_device
-        self._device_pixels: torch.Tensor | None = None  # the cache on the training device, when held there
         self.pin_memory = pin_memory
         self.drop_last = drop_last
-        self.channels_last = channels_last
         self.class_names = self._check_class_names(class_names)
         self.train_set = self.val_set = self.test_set = self.predict_set = None
+        # How the training and validation images become batches: its datasets, training collate and device step.
+        self.pipeline: TrainingPipeline = (CachedPipeline(settings_from(CachedSettings, self)) if cache
+                                           else PilPipeline(settings_from(PilSettings, self)))
+        self.shared_augment = settings_from(BatchAugment, self)  # every pipeline's training batches, after its step
 
     @property
     def num_classes(self) -> int:
@@ -213,9 +215,8 @@ class FlowerDataModule(L.LightningDataModule):
         counts = {}
         for split, dataset in (("train", self.train_set), ("val", self.val_set), ("test", self.test_set)):
             if dataset is not None:
-                labels = dataset.labels if isinstance(dataset, CachedImages) else [s.label for s in dataset.samples]
                 counts[split] = {name: 0 for name in self.class_names}
-                for label in labels:
+                for label in dataset.labels:
                     counts[split][self.class_names[label]] += 1
         return counts
 
@@ -276,19 +277,7 @@ class FlowerDataModule(L.LightningDataModule):
                 train, val = stratified_split(
                     self._labelled(root), val_fraction=self.val_split, seed=self.split_seed
                 )
-            if self.cache:
-                paths = [s.path for s in train + val]
-                cache = ensure_cache(paths, root=root, side=self._cache_side(paths), fallback_dir=self.cache_dir)
-                self._device_pixels = self._cache_to_device(cache)
-                as_index = self._device_pixels is not None
-                self.train_set = CachedImages(cache, range(len(train)), [s.label for s in train], as_index=as_index)
-                self.val_set = CachedImages(cache, range(len(train), len(train) + len(val)),
-                                            [s.label for s in val], as_index=as_index)
-            else:
-                augment = train_transform(crop_size=self.image_size, crop_scale=self.crop_scale,
-                                          auto_augment=self.auto_augment, mean=self.mean, std=self.std)
-                self.train_set = LabelledImages(train, augment)
-                self.val_set = LabelledImages(val, self._eval_transform())
+            self.train_set, self.val_set = self.pipeline.datasets(train, val, root=root, trainer=self.trainer)
         if stage == "test":
             self.test_set = LabelledImages(self._labelled(self._test_folder(root)), self._eval_transform())
         rank_zero_info("Images per class: " + "; ".join(  # each split's balance, before any time is spent on it
@@ -319,29 +308,22 @@ class FlowerDataModule(L.LightningDataModule):
         return root / "test"
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        # Here, on the training device, cached batches become what the PIL transforms would have produced.
-        if isinstance(batch, CachedTrainBatch):
-            images = crop_flip_normalise(self._squares(batch.squares_or_indices), batch.boxes, batch.flip,
-                                         crop_size=self.train_image_size(), mean=self.mean, std=self.std,
-                                         channels_last=self.channels_last,
-                                         augment=self._tensor_augment, dtype=self._batch_dtype(images_on=batch.boxes))
-            return self._augment_batch(images, batch.labels)
-        if isinstance(batch, CachedBatch):
-            if self.trainer is not None and self.trainer.training:
-                # Silently evaluation squares, un-augmented, if a rebuilt training loader dropped WithTrainViews.
-                raise RuntimeError("A cached training batch came without its crop boxes: the training DataLoader "
-                                   "lost its collate_fn, flowers.data.batch_augment.WithTrainViews.")
-            images = eval_batch(self._squares(batch.squares_or_indices), crop_size=self.eval_image_size,
-                                mean=self.mean, std=self.std, channels_last=self.channels_last,
-                                dtype=self._batch_dtype(images_on=batch.labels))
-            return images, batch.labels
-        if self.trainer is not None and self.trainer.training:  # a training batch of the PIL path
-            images, labels = batch
-            size = self.train_image_size()
-            if images.shape[-1] != size:  # the loader's workers crop at image_size; the epoch may want less
-                images = F.resize(images, [size, size], antialias=True)
-            return self._augment_batch(images, labels)
+        # The pipeline's own step on the training device, then the augmentations every pipeline shares.
+        trainer = self.trainer
+        precision = str(getattr(trainer, "precision", "")) if trainer is not None else ""
+        context = BatchContext(training=trainer is not None and trainer.training, train_size=self.train_image_size(),
+                               bf16=precision.startswith("bf16"), channels_last=self.channels_last)
+        batch = self.pipeline.on_device(batch, context)
+        if isinstance(batch, TrainImages):
+            return self.shared_augment(batch.images, batch.labels, num_classes=self.num_classes)
         return batch
+
+    @property
+    def channels_last(self) -> bool:
+        """Whether the model this feeds keeps its inputs in NHWC memory order (``model.channels_last``): the cached
+        pipeline then builds its batches in that order, which the model would otherwise copy every step."""
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        return bool(getattr(model, "channels_last", False))
 
     def train_image_size(self) -> int:
         """The side of this epoch's training images: ``image_size``, or its progressive-resizing schedule."""
@@ -350,43 +332,8 @@ class FlowerDataModule(L.LightningDataModule):
         return size_at_epoch(self.trainer.current_epoch, self.trainer.max_epochs or 0,
                              start_size=self.start_image_size, final_size=self.image_size, ramp=self.resize_ramp)
 
-    def _batch_dtype(self, *, images_on: torch.Tensor) -> torch.dtype:
-        # A bf16 run on a GPU gets bf16 batches, written by the normalisation's one pass instead of cast again by
-        # autocast; on CPU float32, which CPUs without native bf16 elementwise kernels handle faster.
-        precision = str(getattr(self.trainer, "precision", "")) if self.trainer is not None else ""
-        return torch.bfloat16 if images_on.is_cuda and precision.startswith("bf16") else torch.float32
-
-    def _augment_batch(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        images = random_erase(images, prob=self.random_erasing)
-        return mix_batch(images, labels, num_classes=self.num_classes, mixup_alpha=self.mixup_alpha,
-                         cutmix_alpha=self.cutmix_alpha)
-
-    def _squares(self, squares_or_indices: torch.Tensor) -> torch.Tensor:
-        if self._device_pixels is None:
-            return squares_or_indices
-        return self._device_pixels[squares_or_indices]  # indices into the cache held on this device
-
-    def _cache_to_device(self, cache: ImageCache) -> torch.Tensor | None:
-        if self.cache_on_device is False or self.trainer is None:
-            return None
-        device = self.trainer.strategy.root_device
-        if device.type != "cuda":
-            if self.cache_on_device:
-                raise ConfigError("data.cache_on_device=true needs training on a CUDA GPU; unset it on CPU.")
-            return None
-        if self.cache_on_device is None:
-            free, _ = torch.cuda.mem_get_info(device)
-            # Decided once for all ranks: ranks that disagreed would run different loaders and RNG paths.
-            if not self.trainer.strategy.reduce_boolean_decision(cache.pixels.nbytes <= free / 4, all=True):
-                return None
-        return upload_in_chunks(cache.pixels, device)
-
     def _eval_transform(self):
         return eval_transform(crop_size=self.eval_image_size, mean=self.mean, std=self.std)
-
-    def _cache_side(self, paths: list[str]) -> int:
-        # One cache serves both: large enough that neither the train crops nor the eval squash upsample.
-        return fitting_side(paths, cache_side(max(self.image_size, self.eval_image_size)))
 
     def _predict_paths(self) -> list[str]:
         target = self.predict_dir
@@ -413,12 +360,8 @@ class FlowerDataModule(L.LightningDataModule):
     def num_workers(self) -> int:
         if self._num_workers is not None:
             return self._num_workers
-        if self._device_pixels is not None:
-            return 0  # an item is an index: a worker would only add inter-process traffic
-        if self.cache and not self._on_cuda():
-            # A cached item is a memory copy, and on a CPU that also trains, a worker process competes with
-            # the intra-op threads for the same cores: no faster (see docs/benchmarks.md).
-            return 0
+        if (wanted := self.pipeline.loader_workers(on_cuda=self._on_cuda())) is not None:
+            return wanted
         # The tutorial's rule, shared among this machine's training processes so ddp does not oversubscribe.
         local_processes = 1
         if self.trainer is not None:
@@ -426,7 +369,7 @@ class FlowerDataModule(L.LightningDataModule):
         return min((os.cpu_count() or 1) // local_processes, self.batch_size, 8)
 
     def _on_cuda(self) -> bool:
-        return self.trainer is not None and self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
+        return self.trainer is not None and isinstance(self.trainer.accelerator, CUDAAccelerator)
 
     def _loader(self, dataset, *, batch_size: int, shuffle: bool, sampler=None, collate_fn=None,
                 drop_last: bool = False, loader_class: type[DataLoader] = DataLoader) -> DataLoader:
@@ -449,9 +392,6 @@ class FlowerDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        views = None
-        if isinstance(self.train_set, CachedImages):
-            views = WithTrainViews(side=self.train_set.cache.pixels.shape[-1], scale=self.crop_scale)
         trainer = self.trainer
         world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if self.drop_last and len(self.train_set) < self.batch_size * world_size:
@@ -464,9 +404,10 @@ class FlowerDataModule(L.LightningDataModule):
         # Lightning keeps as it is under ddp.
         sampler = EpochSampler(self.train_set, batch_size=self.batch_size, num_replicas=world_size, rank=rank)
         loader = self._loader(self.train_set, batch_size=self.batch_size, shuffle=False, sampler=sampler,
-                              collate_fn=views, drop_last=self.drop_last, loader_class=ResumableLoader)
+                              collate_fn=self.pipeline.train_collate(), drop_last=self.drop_last,
+                              loader_class=ResumableLoader)
         if trainer is not None:
-            loader.progress = lambda: epoch_progress(trainer)
+            loader.progress = lambda: lightning_internals.epoch_progress(trainer)
         return loader
 
     def _eval_sampler(self, dataset):
@@ -481,8 +422,7 @@ class FlowerDataModule(L.LightningDataModule):
                 f"{len(dataset)} evaluation images cannot be shared among {trainer.world_size} processes; "
                 "evaluate with fewer devices."
             )
-        return UnrepeatedDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
-                                            shuffle=False)
+        return lightning_internals.each_once_sampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, batch_size=self.eval_batch_size, shuffle=False,

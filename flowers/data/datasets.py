@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from flowers.data.cache import ImageCache
 from flowers.data.folders import Sample
 from flowers.data.images import DECODE_ERRORS, load_rgb
 from flowers.data.sampling import item_rng
 from flowers.errors import DataError
-
-if TYPE_CHECKING:
-    from flowers.data.cache import ImageCache
 
 
 class LabelledImages(Dataset):
@@ -28,6 +26,11 @@ class LabelledImages(Dataset):
     def __init__(self, samples: Sequence[Sample], transform: Callable) -> None:
         self.samples = list(samples)
         self.transform = transform
+
+    @property
+    def labels(self) -> list[int]:
+        """Each item's class index, read from the file list: nothing is decoded."""
+        return [sample.label for sample in self.samples]
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -88,7 +91,7 @@ class CachedImages(Dataset):
     def __init__(self, cache: ImageCache, indices: Iterable[int], labels: list[int], *, as_index: bool = False) -> None:
         self.cache = cache
         self.indices = np.asarray(list(indices))
-        self.labels = list(labels)
+        self.labels = list(labels)  # each item's class index, as LabelledImages.labels
         self.as_index = as_index
 
     def __len__(self) -> int:

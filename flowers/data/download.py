@@ -26,8 +26,7 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-from flowers.checks import ArgumentParser
-from flowers.errors import DataError
+from flowers.errors import ArgumentParser, DataError
 from flowers.files import build_once, can_create
 
 log = logging.getLogger(__name__)

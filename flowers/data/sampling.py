@@ -7,7 +7,7 @@ DistributedSampler does) and one seed per position. An item's augmentation draws
 (``item_rng``), not from a loader worker's generator, so the draws depend on neither the number of
 workers nor how far they had read ahead, and no state but (seed, epoch, batches done) is needed to resume.
 The training process's own generator (dropout, batch mixing) is untouched by the loader and saved by
-``checkpointing.RNGStateCheckpoint``.
+``flowers.rng_state.RNGStateCheckpoint``.
 
 Lightning saves and restores a loader that has ``state_dict``/``load_state_dict`` with the fit loop's
 state, and keeps a DistributedSampler as it is (calling ``set_epoch`` each epoch).

@@ -18,6 +18,8 @@ import socket
 import sys
 from pathlib import Path
 
+from flowers.errors import ConfigError
+
 # The addresses LitServe binds: this computer only, every IPv4 interface, every interface.
 HOSTS = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1", "0.0.0.0": "0.0.0.0", "::": "::"}
 # Each number option's range: (lowest, whether the lowest itself is allowed, highest or None, unit of a float).
@@ -72,8 +74,6 @@ class Stopped(Exception):
 
 
 def main(args: list[str] | None = None) -> int:
-    from flowers.errors import ConfigError
-
     options = parser().parse_args(args)
     try:
         return serve(options)
@@ -87,8 +87,6 @@ def main(args: list[str] | None = None) -> int:
 
 def check_numbers(options: argparse.Namespace) -> None:
     """One sentence for the first number option out of its range (NaN and infinity are out of every range)."""
-    from flowers.errors import ConfigError
-
     for name, (low, low_allowed, high, unit) in RANGES.items():
         value = getattr(options, name[2:])
         if value is None:
@@ -106,8 +104,6 @@ def check_numbers(options: argparse.Namespace) -> None:
 
 def check_model_path(ckpt_path: str) -> None:
     """Before the slow imports: the path exists, and is a file or a folder (a FIFO would hang the first read)."""
-    from flowers.errors import ConfigError
-
     path = Path(ckpt_path)
     if not path.exists():
         if ckpt_path in ("best", "last"):  # the newest run's, found later
@@ -119,8 +115,6 @@ def check_model_path(ckpt_path: str) -> None:
 
 
 def serve(options: argparse.Namespace) -> int:
-    from flowers.errors import ConfigError
-
     host = HOSTS.get(options.host)
     if host is None:
         raise ConfigError(f"--host {options.host!r} can't be served: LitServe binds 127.0.0.1 (this computer only, "
@@ -175,8 +169,6 @@ def _stop(main_pid: int, signum, frame) -> None:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    from flowers.errors import ConfigError
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is fine

@@ -7,8 +7,7 @@ mirror-image setting its answers depend on, and the forward pass that turns uplo
 
 from __future__ import annotations
 
-import inspect
-import json
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -16,23 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from PIL import Image
 
+from flowers.backbones import TUTORIAL_ALEXNET
 from flowers.data.transforms import eval_transform
 from flowers.errors import ConfigError
-from flowers.runs import (
-    CLASS_INDICES,
-    CONFIG,
-    run_dir_of,
-)
+from flowers.inference import load, read_run_config, resolve, run_settings
+from flowers.module import logits_with_mirror
+from flowers.runs import CLASS_INDICES, CONFIG, read_class_indices, run_dir_of
 
-DEFAULT_BACKBONE = "tutorial_alexnet"
 # Suffixes, not file names: exports may be named after their backbone.
 FORMATS = {".ckpt": "checkpoint", ".torchscript.pt": "torchscript", ".onnx": "onnx"}
 KIND_NAMES = {"checkpoint": "a checkpoint", "torchscript": "a TorchScript export", "onnx": "an ONNX export"}
-# Module settings that shape neither the network's inputs nor its normalisation, or that would compile it.
-_TRAINING_ONLY = {"num_classes", "class_names", "optimizer", "scheduler", "compile", "compile_mode"}
 
 
 @dataclass(frozen=True)
@@ -64,8 +58,6 @@ def format_of(path: Path) -> str | None:
 def find_model(path: str | Path) -> Path:
     """The file to serve: ``path`` itself, or in an export folder its one ``.onnx`` (else ``.torchscript.pt``);
     ``best`` and ``last`` are the newest run's best and last checkpoints under ``runs/``."""
-    from flowers.inference import resolve
-
     path = resolve(path)
     if not path.exists():
         raise ConfigError(f"--ckpt_path {str(path)!r} does not exist.")
@@ -103,27 +95,16 @@ def describe(path: str | Path, *, image_size: int | None = None, eval_hflip: boo
                           f"checkpoint written by `fit` or a file written by `flowers export`.{hint}")
     config_path = run_config_near(path, kind)
     try:
-        config = yaml.safe_load(config_path.read_text()) if config_path else {}
-    except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"{config_path} (the run's config, read for its image size) is unreadable: {error}") \
-            from None
-    data = (config or {}).get("data") or {}
-    model_args = (config or {}).get("model") or {}
-    model_args = model_args.get("init_args", model_args) if isinstance(model_args, dict) else {}
-    size = image_size or data.get("eval_image_size") or data.get("image_size") or 224
-    try:
         if kind == "checkpoint":
-            from flowers.inference import load
-
             ready = load(path)  # the checkpoint's own classes, side, normalisation and mirror setting
-            model, classes, size = ready.model, ready.classes, image_size or ready.image_size
+            classes, size, (mean, std) = ready.classes, image_size or ready.image_size, ready.model.normalisation()
             eval_hflip = ready.eval_hflip if eval_hflip is None else eval_hflip
-            backbone = ready.hparams.get("backbone", DEFAULT_BACKBONE)
+            backbone = ready.hparams.get("backbone", TUTORIAL_ALEXNET)
         else:
-            classes = _class_names_beside(path)
-            model = _module_for(model_args, classes)
-            eval_hflip = bool(model_args.get("eval_hflip", False)) if eval_hflip is None else eval_hflip
-            backbone = model_args.get("backbone") or DEFAULT_BACKBONE
+            classes = read_class_indices(path.parent / CLASS_INDICES)
+            run = run_settings(read_run_config(config_path) if config_path else {})  # an export records none of it
+            size, mean, std, backbone = image_size or run["eval_image_size"], run["mean"], run["std"], run["backbone"]
+            eval_hflip = run["eval_hflip"] if eval_hflip is None else eval_hflip
             if kind == "onnx":
                 size = _onnx_image_size(path, image_size) or size
             else:
@@ -136,34 +117,11 @@ def describe(path: str | Path, *, image_size: int | None = None, eval_hflip: boo
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise ConfigError(f"--ckpt_path {str(path)!r} could not be loaded as {KIND_NAMES[kind]} "
                           f"({type(error).__name__}: {first_line}).") from None
-    mean, std = model.normalization()
     return ModelSource(
         path=str(path), format=kind, classes=tuple(classes), image_size=int(size), eval_hflip=bool(eval_hflip),
         mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std), backbone=str(backbone),
         config=str(config_path) if config_path else None,
     )
-
-
-def _class_names_beside(path: Path) -> list[str]:
-    mapping_path = path.parent / CLASS_INDICES
-    if not mapping_path.is_file():
-        raise ConfigError(f"{mapping_path} is missing: `flowers export` writes it beside the export, and serve "
-                          "reads the class names from it.")
-    try:
-        mapping = json.loads(mapping_path.read_text())
-        return [mapping[str(i)] for i in range(len(mapping))]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ConfigError(f"{mapping_path} is not a class mapping like {{\"0\": \"daisy\", …}}: {error}") from None
-
-
-def _module_for(model_args: dict, classes: list[str]):
-    """The run's module, untrained: an export keeps the network only, and the module knows its normalisation."""
-    from flowers.module import FlowerClassifier
-
-    accepted = inspect.signature(FlowerClassifier.__init__).parameters
-    settings = {k: v for k, v in model_args.items()
-                if k in accepted and k not in _TRAINING_ONLY and not isinstance(v, dict)}
-    return FlowerClassifier(num_classes=len(classes), class_names=list(classes), **settings)
 
 
 def _load_torchscript(path: Path, device: str) -> torch.jit.ScriptModule:
@@ -190,8 +148,6 @@ class Predictor:
         self.source = source
         self.device = torch.device(device)
         if source.format == "checkpoint":
-            from flowers.inference import load
-
             ready = load(source.path, map_location=str(self.device))
             ready.model.eval_hflip = source.eval_hflip
             self.transform: Callable = ready.transform(source.image_size)
@@ -200,9 +156,10 @@ class Predictor:
         self.transform = eval_transform(crop_size=source.image_size, mean=source.mean, std=source.std)
         if source.format == "torchscript":
             net = _load_torchscript(Path(source.path), str(self.device)).eval()
-            self._logits = self._mirrored(net) if source.eval_hflip else net
+            self._logits = functools.partial(logits_with_mirror, net) if source.eval_hflip else net
         else:
-            self._logits = self._mirrored(self._onnx()) if source.eval_hflip else self._onnx()
+            net = self._onnx()
+            self._logits = functools.partial(logits_with_mirror, net) if source.eval_hflip else net
 
     def _onnx(self) -> Callable[[torch.Tensor], torch.Tensor]:
         import onnxruntime as ort
@@ -220,15 +177,6 @@ class Predictor:
             return torch.from_numpy(logits)
 
         return run
-
-    @staticmethod
-    def _mirrored(net: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-        def logits(images: torch.Tensor) -> torch.Tensor:
-            # As FlowerClassifier.eval_logits: both views in one forward, then the mean of their logits.
-            both = net(torch.cat([images, images.flip(-1)]))
-            return (both[: len(images)] + both[len(images):]) / 2
-
-        return logits
 
     def tensor(self, square: np.ndarray) -> torch.Tensor:
         return self.transform(Image.fromarray(square, "RGB"))

@@ -1,18 +1,25 @@
-"""A test-only callback for multi-process runs: each rank writes what it saw to ``DIR/rankR.json``.
+"""Callbacks that real ``python -m flowers`` children load with ``--trainer.callbacks+=tests.helpers.callbacks.X``.
 
-The ddp tests run ``python -m flowers ... --trainer.callbacks+=tests.ddp_probe.Probe`` in a subprocess and
-read these files back, since the child's trainer is out of the test's reach.
+The child's trainer is out of the test's reach: these write what each rank saw to files the test reads back
+(``Probe``, ``BatchLog``), or stop the child at a chosen moment (``Fault``, ``Pause``, ``KillAt``, ``TroubleOnce``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
+
+import flowers.checkpoint_writer
+
+REAL_SAVE = torch.save
 
 
 class Probe(L.Callback):
@@ -95,8 +102,8 @@ def _split(datamodule) -> dict[str, list[str]] | None:
 class Fault(L.Callback):
     """Rank ``rank`` dies (``action="exit"``: ``os._exit(1)``, no cleanup, like a crash or the OOM killer)
     or hangs (``"hang"``: sleeps ``hang_s`` without taking part in collectives) as training batch ``batch``
-    of epoch ``epoch`` starts. Just before, it writes the wall-clock time to ``marker``, so a test can time
-    how long the other ranks take to give up."""
+    of epoch ``epoch`` starts. Just before, it writes the wall-clock time and its PID to ``marker``, so a test
+    knows the fault happened where it was put."""
 
     def __init__(self, marker: str, action: str = "exit", rank: int = 1, epoch: int = 0, batch: int = 1,
                  hang_s: float = 600.0) -> None:
@@ -110,3 +117,91 @@ class Fault(L.Callback):
         if self.action == "exit":
             os._exit(1)
         time.sleep(self.hang_s)
+
+
+class Pause(L.Callback):
+    """In epoch 1, at ``moment``, write ``marker`` and wait to be killed.
+
+    ``moment``: "train" (mid-epoch, after a training batch), "validation" (mid-validation), or "write"
+    (inside the checkpoint write: half of last.ckpt's bytes are out when the process dies).
+    """
+
+    def __init__(self, marker: str, moment: str) -> None:
+        self.marker, self.moment = Path(marker), moment
+
+    def _stop_here(self) -> None:
+        self.marker.write_text(str(os.getpid()))
+        time.sleep(120)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.moment == "train" and trainer.current_epoch == 1 and batch_idx == 1:
+            self._stop_here()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.moment == "validation" and trainer.current_epoch == 1 and not trainer.sanity_checking:
+            self._stop_here()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.moment == "write" and trainer.current_epoch == 1:
+            flowers.checkpoint_writer.torch.save = self._die_halfway
+
+    def _die_halfway(self, obj, file) -> None:
+        buffer = io.BytesIO()
+        REAL_SAVE(obj, buffer)
+        file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        file.flush()
+        self.marker.write_text(str(os.getpid()))
+        os._exit(137)  # what SIGKILL looks like to the parent: no cleanup, no except/finally
+
+
+class BatchLog(L.Callback):
+    """Appends ``global_step fingerprint`` of each training batch to ``<folder>/batches_rank<R>.txt``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        images, labels = batch
+        digest = hashlib.sha1(images.float().contiguous().numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
+        with open(self.folder / f"batches_rank{trainer.global_rank}.txt", "a") as log:
+            log.write(f"{trainer.global_step} {digest[:16]}\n")
+
+
+def _die_halfway(obj, file) -> None:
+    buffer = io.BytesIO()
+    REAL_SAVE(obj, buffer)
+    file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    file.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAt(L.Callback):
+    """SIGKILL this process on rank ``rank`` at ``step``: "between" batches (before batch ``step`` trains), or
+    halfway through "writing" the checkpoint that batch ``step`` ends with."""
+
+    def __init__(self, step: int, moment: str, rank: int = 0) -> None:
+        self.step, self.moment, self.rank = step, moment, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        if self.moment == "between":
+            os.kill(os.getpid(), signal.SIGKILL)
+        flowers.checkpoint_writer.torch.save = _die_halfway
+
+
+class TroubleOnce(L.Callback):
+    """On rank ``rank`` at ``step``, once per job (a marker file in ``folder`` remembers it): SIGKILL the process
+    ("killed") or stop it answering its peers ("hung")."""
+
+    def __init__(self, folder: str, step: int, trouble: str, rank: int = 1) -> None:
+        self.marker = Path(folder) / "trouble-done"
+        self.step, self.trouble, self.rank = step, trouble, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != self.rank or self.marker.exists():
+            return
+        self.marker.touch()
+        if self.trouble == "hung":
+            time.sleep(3600)
+        os.kill(os.getpid(), signal.SIGKILL)

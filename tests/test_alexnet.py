@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from flowers.model import AlexNet
-from tests.tutorial_alexnet import AlexNet as TutorialAlexNet
+from flowers.alexnet import AlexNet
+from tests.helpers.tutorial_alexnet import AlexNet as TutorialAlexNet
 
 
 def test_output_shape_and_parameter_count():
@@ -60,7 +60,7 @@ def test_the_adaptive_pool_runs_only_where_the_features_are_not_already_6x6():
 
 @pytest.mark.parametrize("side", [1, 3, 5, 6, 8, 13])
 def test_the_matmul_pool_matches_adaptive_average_pooling_and_its_gradient(side):
-    from flowers.model import adaptive_avg_pool_by_matmul
+    from flowers.alexnet import adaptive_avg_pool_by_matmul
 
     x = torch.randn(2, 4, side, side + 2, dtype=torch.float64, requires_grad=True)
     ours = adaptive_avg_pool_by_matmul(x, (6, 6))
