@@ -32,7 +32,7 @@ train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minute
 data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_photos, once
 	$(BIN)/flowers download
 
-test: $(STAMP)  ## run the default test suite (under 6 minutes on 2 cores)
+test: $(STAMP)  ## run the default test suite (about 7 minutes on 2 cores)
 	$(BIN)/python -m pytest -n auto --dist loadfile
 
 test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs)
