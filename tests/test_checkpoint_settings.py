@@ -153,3 +153,18 @@ def test_resuming_with_the_same_settings_warns_of_nothing():
     command["optimizer"]["init_args"]["betas"] = (0.8, 0.999)
     with pytest.warns(UserWarning, match=r"betas=\[0.8, 0.999\] \(the checkpoint.s: \[0.9, 0.999\]\)"):
         _warn_overridden_model_flags(command, {"optimizer": None}, saved)
+
+
+def test_an_export_is_served_with_the_normalisation_and_side_its_run_applied():
+    # An export records nothing but its network: its run's config.yaml says how the run fed it.
+    imagenet = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    config = {"data": {"image_size": 160, "eval_image_size": 192, **imagenet},
+              "model": {"backbone": "resnet18", "eval_hflip": True}}
+    settings = inference.run_settings(config)
+    assert settings == {"eval_image_size": 192, "mean": tuple(imagenet["mean"]), "std": tuple(imagenet["std"]),
+                        "eval_hflip": True, "backbone": "resnet18"}
+    # A config from before the data recorded its normalisation: the model's, else the tutorial's 0.5.
+    older = inference.run_settings({"data": {"image_size": 96}, "model": {"init_args": {**imagenet}}})
+    assert (older["eval_image_size"], older["mean"]) == (96, tuple(imagenet["mean"]))
+    assert inference.run_settings({}) == {"eval_image_size": 224, "mean": (0.5,) * 3, "std": (0.5,) * 3,
+                                          "eval_hflip": False, "backbone": "tutorial_alexnet"}
