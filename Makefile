@@ -36,7 +36,7 @@ test: $(STAMP)  ## run the default test suite (about 7 minutes on 2 cores)
 	$(BIN)/python -m pytest -n auto --dist loadfile
 
 test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs)
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow -n auto --dist loadfile
 
 test-all: $(STAMP)  ## run every test
 	$(BIN)/python -m pytest -m ''

@@ -33,6 +33,15 @@ DDP_TIMEOUT_S = 600.0
 
 
 class FlowersCLI(LightningCLI):
+    def __init__(self, *args, subcommand: str | None = None, **kwargs) -> None:
+        self._named_subcommand = subcommand
+        super().__init__(*args, **kwargs)
+
+    def subcommands(self) -> dict[str, set[str]]:
+        # Only the parser of the subcommand the command line names: building all four costs a second a command.
+        every = LightningCLI.subcommands()
+        return {self._named_subcommand: every[self._named_subcommand]} if self._named_subcommand in every else every
+
     def add_arguments_to_parser(self, parser) -> None:
         # The first ModelCheckpoint is trainer.checkpoint_callback: the best one, as "best" and the HPARAMS tab want.
         parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
@@ -287,10 +296,13 @@ def _read_checkpoint(path: str, flag: str = "--ckpt_path") -> dict:
 
 
 def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
+    words = sys.argv[1:] if args is None else args
+    named = words[0] if run and words and words[0] in LightningCLI.subcommands() else None
     try:
         return FlowersCLI(
             FlowerClassifier,
             FlowerDataModule,
+            subcommand=named,
             args=args,
             run=run,
             seed_everything_default=42,
@@ -300,7 +312,7 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
             # exit_on_error=False: a parse error is raised, and printed alone below (the usage is for --help).
             parser_kwargs={"prog": "flowers", "allow_abbrev": False, "exit_on_error": False,
                            **{subcommand: {"allow_abbrev": False, "exit_on_error": False}
-                              for subcommand in FlowersCLI.subcommands()}},
+                              for subcommand in LightningCLI.subcommands() if named in (None, subcommand)}},
             trainer_defaults={
                 "logger": {
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -364,7 +376,7 @@ def _peer_failure(error: BaseException) -> PeerError | None:
 
 def _refusal(error: ArgumentError, words: list[str]) -> str:
     """A parse error (several lines from jsonargparse) as one paragraph that says where the settings are listed."""
-    subcommand = next((word for word in words[:1] if word in FlowersCLI.subcommands()), None)
+    subcommand = next((word for word in words[:1] if word in LightningCLI.subcommands()), None)
     listed = f"`flowers {subcommand} --help` lists every setting" if subcommand else \
         "`flowers --help` lists the subcommands"
     return f"{' '.join(str(error).split())}. {listed}."

@@ -9,14 +9,17 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.images import REAL_PHOTOS
 from tests.helpers.runs import TINY_RUN, fit_in
 
 
 def pytest_configure(config):
-    # Keep torch from oversubscribing the 2 CI cores when tests spawn worker processes.
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    # Keep torch from oversubscribing the cores: one thread per xdist worker (and per process it starts), else 2.
+    several_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if several_workers else "2")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from flowers.checkpointing import LAST_CHECKPOINT, MID_EPOCH_INTERVAL
 from flowers.cli import cli_main
 from flowers.data import FlowerDataModule
 from flowers.data.sampling import EpochSampler
-from tests.helpers.processes import child_env, finish, free_port, kill, start
+from tests.helpers.processes import child_env, finish, free_port, kill, start, timed_out
 from tests.helpers.runs import TINY_RUN
 
 CALLBACKS = "tests.helpers.callbacks"
@@ -48,8 +48,10 @@ SCHEDULED = (
 def fit(folder: Path, monkeypatch, data: Path, *args: str):
     monkeypatch.chdir(folder)
     (folder / "exp.yaml").write_text(SCHEDULED)
+    # The tutorial's unfused Adam: a resume may switch to the fused step (test_a_resume_runs_as_its_command_says).
     return cli_main(["fit", *TINY_RUN, "--config=exp.yaml", f"--data.data_dir={data}", "--trainer.deterministic=true",
-                     "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2", *args])
+                     "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",
+                     "--model.fused_optimizer=false", *args])
 
 
 def loop_state(cli) -> dict:
@@ -288,6 +290,7 @@ RUN = [
     "--data.image_size=64",
     "--data.batch_size=8",
     "--data.eval_batch_size=32",
+    "--model.fused_optimizer=true",
 ]
 
 
@@ -301,6 +304,8 @@ def fit_child(folder: Path, data: Path, *args: str, timeout: float = 300) -> tup
                                text=True, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        output = timed_out(process, timeout)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)

@@ -25,7 +25,7 @@ RECIPES = [None, "tutorial.yaml", "quickstart.yaml", "best.yaml"]  # gpu/dp/ddp/
 RUNS, DDP_RUNS = 16, 2
 SHRINK = ["--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
           "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--data.image_size=64",
-          "--data.batch_size=4", "--data.eval_batch_size=8", "--data.num_workers=0"]
+          "--data.batch_size=4", "--data.eval_batch_size=8", "--data.num_workers=0", "--model.fused_optimizer=true"]
 
 
 def combinations(rng: random.Random) -> list[list[str]]:

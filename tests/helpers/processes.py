@@ -6,6 +6,7 @@ that kills the child's whole process group, so a hung collective fails its test 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ DDP_RUN = [
     "--data.image_size=64",
     "--data.batch_size=4",
     "--data.num_workers=0",
+    "--model.fused_optimizer=true",
 ]
 # Variables through which Lightning would detect a cluster around the test run itself.
 CLUSTER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE",
@@ -35,6 +37,7 @@ CLUSTER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "G
 def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES and not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT makes each process print every thread's stack (timed_out)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
@@ -51,6 +54,20 @@ def kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def timed_out(process: subprocess.Popen, timeout: float) -> str:
+    """The output of a child that ran past ``timeout``, ending with the stack of every thread of every process in
+    its group (SIGABRT and the fault handler), so a hang says where it hung; the group is then killed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGABRT)
+    try:
+        output = process.communicate(timeout=10)[0]
+    except subprocess.TimeoutExpired:
+        kill(process)
+        output = process.communicate()[0]
+    kill(process)
+    return f"{output}\n[ran past {timeout:.0f} s: the stacks above, then killed]"
+
+
 def finish(processes: list[subprocess.Popen], timeout: float) -> list[str]:
     """Wait for all; on a timeout or any failure kill every one and fail with their output."""
     outputs = []
@@ -59,9 +76,11 @@ def finish(processes: list[subprocess.Popen], timeout: float) -> list[str]:
             out, _ = process.communicate(timeout=timeout)
             outputs.append(out)
     except subprocess.TimeoutExpired:
+        hung = next(p for p in processes if p.poll() is None)
+        stacks = timed_out(hung, timeout)
         for process in processes:
             kill(process)
-        pytest.fail(f"a child ran past {timeout} s and was killed")
+        pytest.fail(f"a child ran past {timeout} s and was killed:\n{stacks[-6000:]}")
     failed = [(p.returncode, out[-4000:]) for p, out in zip(processes, outputs, strict=True) if p.returncode != 0]
     if failed:
         for process in processes:
