@@ -26,16 +26,16 @@ browser:  ## Debian's chromium and chromedriver for the page's browser test (apt
 	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends chromium chromium-driver; } \
 	  || echo "could not install chromium with apt: the browser test will skip"; fi
 
-train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, about 3 minutes)
+train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, 3 to 5 minutes)
 	$(BIN)/flowers fit --config $(CONFIG)
 
 data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_photos, once
 	$(BIN)/flowers download
 
-test: $(STAMP)  ## run the default test suite (about 7 minutes on 2 cores)
+test: $(STAMP)  ## run the default test suite (about 9 minutes on 2 cores)
 	$(BIN)/python -m pytest -n auto --dist loadfile
 
-test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs)
+test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs; about 16 minutes on 2 cores)
 	$(BIN)/python -m pytest -m slow -n auto --dist loadfile
 
 test-all: $(STAMP)  ## run every test
