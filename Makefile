@@ -35,7 +35,7 @@ data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_ph
 test: $(STAMP)  ## run the default test suite (about 9 minutes on 2 cores)
 	$(BIN)/python -m pytest -n auto --dist loadfile
 
-test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs; about 16 minutes on 2 cores)
+test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs; about 15 minutes on 2 cores)
 	$(BIN)/python -m pytest -m slow -n auto --dist loadfile
 
 test-all: $(STAMP)  ## run every test

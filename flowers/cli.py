@@ -296,8 +296,7 @@ def _read_checkpoint(path: str, flag: str = "--ckpt_path") -> dict:
 
 
 def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
-    words = sys.argv[1:] if args is None else args
-    named = words[0] if run and words and words[0] in LightningCLI.subcommands() else None
+    named = _subcommand_of(sys.argv[1:] if args is None else args) if run else None
     try:
         return FlowersCLI(
             FlowerClassifier,
@@ -374,9 +373,14 @@ def _peer_failure(error: BaseException) -> PeerError | None:
     )
 
 
+def _subcommand_of(words: list[str]) -> str | None:
+    """The Lightning subcommand the command line starts with, if it starts with one."""
+    return words[0] if words and words[0] in LightningCLI.subcommands() else None
+
+
 def _refusal(error: ArgumentError, words: list[str]) -> str:
     """A parse error (several lines from jsonargparse) as one paragraph that says where the settings are listed."""
-    subcommand = next((word for word in words[:1] if word in LightningCLI.subcommands()), None)
+    subcommand = _subcommand_of(words)
     listed = f"`flowers {subcommand} --help` lists every setting" if subcommand else \
         "`flowers --help` lists the subcommands"
     return f"{' '.join(str(error).split())}. {listed}."

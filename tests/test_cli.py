@@ -77,6 +77,8 @@ def test_the_tutorial_layout_with_train_val_and_test_folders(in_tmp):
     tested = cli_main(["test", *TINY_RUN, "--data.data_dir=splitlayout",
                        f"--ckpt_path={last_checkpoint(cli.trainer)}"])
     assert "test/acc" in tested.trainer.callback_metrics
+    # Each command built the parser of its own subcommand only.
+    assert list(cli.subcommands()) == ["fit"] and list(tested.subcommands()) == ["test"]
 
 
 def test_optimizer_and_scheduler_come_from_yaml(in_tmp, tiny_synthetic):

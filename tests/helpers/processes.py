@@ -76,7 +76,7 @@ def finish(processes: list[subprocess.Popen], timeout: float) -> list[str]:
             out, _ = process.communicate(timeout=timeout)
             outputs.append(out)
     except subprocess.TimeoutExpired:
-        hung = next(p for p in processes if p.poll() is None)
+        hung = next((p for p in processes if p.poll() is None), processes[0])
         stacks = timed_out(hung, timeout)
         for process in processes:
             kill(process)
