@@ -77,31 +77,28 @@ def mirror_run(tmp_path_factory, trained_run) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_servers(request, tmp_path_factory, mirror_run):
-    """Two servers, started together so that their start-ups overlap: the mirror-image checkpoint with a 100 ms
-    window (concurrent requests surely share batches) and small limits, and its ONNX export."""
+def served(request, tmp_path_factory, mirror_run):
+    """A server of the mirror-image checkpoint with a 100 ms window (concurrent requests surely share batches) and
+    small limits."""
     pytest.importorskip("litserve", reason="flowers serve runs on LitServe (pip install -e '.[serve]')")
-    from flowers.export import export
-    from tests.helpers.serving import BODY_TIMEOUT_S, DECODE_BUDGET_MB, MAX_UPLOADS, TOP_K, Server, stop_all
+    from tests.helpers.serving import BODY_TIMEOUT_S, DECODE_BUDGET_MB, MAX_UPLOADS, TOP_K, Server
 
     ckpt = mirror_run / "checkpoints" / "best.ckpt"
-    logs = tmp_path_factory.mktemp("serve")
-    started: list[Server] = []
-    request.addfinalizer(lambda: stop_all(started))
-    started.append(Server(["--ckpt_path", str(ckpt), "--batch_window_ms", "100", "--max_batch_size", "8",
-                           "--top_k", str(TOP_K), "--body_timeout_s", str(BODY_TIMEOUT_S),
-                           "--max_uploads", str(MAX_UPLOADS), "--decode_budget_mb", str(DECODE_BUDGET_MB)],
-                          logs / "checkpoint.log"))
-    folder = export(ckpt, "onnx").parent  # the run's checkpoints/export/: serve finds the file by its suffix
-    started.append(Server(["--ckpt_path", str(folder)], logs / "onnx.log"))
-    return {"checkpoint": started[0].wait_ready(), "onnx": started[1].wait_ready()}
+    server = Server(["--ckpt_path", str(ckpt), "--batch_window_ms", "100", "--max_batch_size", "8",
+                     "--top_k", str(TOP_K), "--body_timeout_s", str(BODY_TIMEOUT_S), "--max_uploads", str(MAX_UPLOADS),
+                     "--decode_budget_mb", str(DECODE_BUDGET_MB)], tmp_path_factory.mktemp("serve") / "checkpoint.log")
+    request.addfinalizer(server.stop)
+    return server.wait_ready()
 
 
 @pytest.fixture(scope="session")
-def served(shared_servers):
-    return shared_servers["checkpoint"]
+def onnx_served(request, tmp_path_factory, mirror_run):
+    """A server of the same checkpoint's ONNX export."""
+    pytest.importorskip("litserve", reason="flowers serve runs on LitServe (pip install -e '.[serve]')")
+    from flowers.export import export
+    from tests.helpers.serving import Server
 
-
-@pytest.fixture(scope="session")
-def onnx_served(shared_servers):
-    return shared_servers["onnx"]
+    folder = export(mirror_run / "checkpoints" / "best.ckpt", "onnx").parent  # serve finds the file by its suffix
+    server = Server(["--ckpt_path", str(folder)], tmp_path_factory.mktemp("serve") / "onnx.log")
+    request.addfinalizer(server.stop)
+    return server.wait_ready()

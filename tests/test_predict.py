@@ -41,6 +41,7 @@ def test_a_folder_with_a_broken_image_gives_csv_and_json_with_an_error_row(ckpt,
     best = records[0]["top_k"][0]
     assert best["class"] == rows[0]["top1"] and best["prob"] == pytest.approx(float(rows[0]["top1_prob"]), abs=1e-6)
     assert records[3]["error"] and records[3]["probs"] == {}
+    assert not (in_tmp / "data").exists()  # predict reads the photos it is given: no training set is drawn
 
 
 def test_a_list_of_files_including_a_missing_one_as_json_only(ckpt, in_tmp):

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
@@ -261,8 +262,10 @@ class FlowerDataModule(L.LightningDataModule):
         return drop_unreadable(samples, where=folder, record=record)
 
     def prepare_data(self) -> None:
-        # Runs on one process per machine; the others find the synthetic set already drawn.
-        if self.data_dir is None:
+        # Runs on one process per machine; the others find the synthetic set already drawn. predict reads only
+        # the files it is given: drawing a training set for it would cost seconds for nothing.
+        predicting = self.trainer is not None and self.trainer.state.fn == TrainerFn.PREDICTING
+        if self.data_dir is None and not predicting:
             self._root()
 
     def setup(self, stage: str) -> None:
