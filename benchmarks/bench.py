@@ -3,19 +3,13 @@
 Variants, on the same images, split, network, optimizer (Adam 2e-4), batch size and threads: ``a`` the tutorial's
 plain loop (PIL loader, fp32); ``b`` ``Trainer.fit`` with the tutorial's settings; ``b_cli`` b plus the logger and
 callbacks of ``flowers fit``; ``c`` ``fit`` with configs/fast.yaml; ``--ablate`` adds c with settings changed.
-b, b_cli and c are built by ``flowers fit``'s own command line and trained by a Trainer that only times them.
-
-``--tta``: time to accuracy instead. Each recipe (``--recipe``, repeatable; ``--ablate`` adds the first with settings
-changed) and the tutorial's loop (benchmarks/tutorial_loop.py) train once per seed, each as a process of its own,
-on ``fit``'s split as folders of links; each epoch's val accuracy is read with its time since the process started.
-A recipe's cache is built once, untimed, by a one-batch run. docs/benchmarks.md describes the flags and figures;
+``--tta``: time to accuracy of whole processes instead. docs/benchmarks.md describes the flags and figures;
 ``--parallel``, ``--anatomy`` and ``--graph-floor`` are the GPU figures of docs/benchmarks-gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
@@ -75,12 +69,10 @@ def network(args, num_classes: int) -> nn.Module:
 # -- the variants --------------------------------------------------------------------------------
 def fit_cli(args, device: torch.device, variant: str, workdir: Path):
     """``flowers fit``'s model, datamodule and settings for a variant, nothing run. a and b share b's loader."""
-    words = []
-    if variant.startswith("c"):
-        words += ["--config", str(FAST_CONFIG)]  # first: the flags below win over it
-        words += [f"--{change}" for change in args.ablations.get(variant, [])]
+    if variant.startswith("c"):  # the config first: the flags after it win over it
+        words = ["--config", str(FAST_CONFIG), *(f"--{change}" for change in args.ablations.get(variant, []))]
     else:  # the tutorial's DataLoader: no pinned memory, fp32
-        words += ["--trainer.precision=32-true", "--data.pin_memory=false"]
+        words = ["--trainer.precision=32-true", "--data.pin_memory=false"]
     words += ["--data.data_dir", str(args.data_dir), f"--data.image_size={args.image_size}",
               f"--data.batch_size={args.batch_size}", "--trainer.devices=1", "--seed_everything=false",
               f"--trainer.accelerator={'gpu' if device.type == 'cuda' else 'cpu'}",
@@ -89,23 +81,27 @@ def fit_cli(args, device: torch.device, variant: str, workdir: Path):
     return cli_main(words, run=False)
 
 
+def summary(history: list[dict], total_s: float, val_s: float) -> dict:
+    """A run's figures from its epochs' (train images and seconds), its whole span and its validations' share."""
+    return {"train_images": sum(h["train_images"] for h in history), "train_s": total_s - val_s,
+            "val_s": val_s / len(history), "epoch_s": total_s / len(history), "val_acc": history[-1]["val_acc"],
+            "history": history}
+
+
 def run_plain(args, device: torch.device, variant: str, workdir: Path) -> dict:
     """Variant a: the tutorial's loop on b's loader, timed over the same span as ``_EpochTimer``."""
     datamodule = fit_cli(args, device, variant, workdir).datamodule
     datamodule.setup("fit")
     model = network(args, datamodule.num_classes).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR)
-    loss_fn = nn.CrossEntropyLoss()
     train_loader, val_loader = datamodule.train_dataloader(), datamodule.val_dataloader()
-    start = time.perf_counter()
-    seen, val_s, history = 0, 0.0, []
+    start, val_s, history = time.perf_counter(), 0.0, []
     for _ in range(args.epochs):
-        epoch_start, first_seen, running_loss, steps = time.perf_counter(), seen, 0.0, 0
+        epoch_start, seen, running_loss, steps = time.perf_counter(), 0, 0.0, 0
         model.train()
         for images, labels in islice(train_loader, args.limit_batches):
-            images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()
-            loss = loss_fn(model(images), labels)
+            loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
             loss.backward()
             optimizer.step()
             running_loss += loss.item()  # the tutorial prints the running loss: one sync per step, as fit's logging
@@ -121,36 +117,32 @@ def run_plain(args, device: torch.device, variant: str, workdir: Path) -> dict:
         _sync(device)
         val_s += time.perf_counter() - val_start
         history.append({"train_loss": running_loss / max(1, steps), "val_acc": correct / max(1, total),
-                        "train_s": val_start - epoch_start, "train_images": seen - first_seen})
-    total_s = time.perf_counter() - start
-    return {"train_images": seen, "train_s": total_s - val_s, "val_s": val_s / args.epochs,
-            "epoch_s": total_s / args.epochs, "val_acc": history[-1]["val_acc"],
-            "history": history, "workers": datamodule.num_workers}
+                        "train_s": val_start - epoch_start, "train_images": seen})
+    return {**summary(history, time.perf_counter() - start, val_s), "workers": datamodule.num_workers}
 
 
 class _EpochTimer(L.Callback):
-    # run_plain's span: from before the train loader's first iter() to the end of the last validation.
+    """run_plain's span: from before the train loader's first iter() to the end of the last validation."""
+
     def __init__(self, device: torch.device) -> None:
-        self.device, self.seen, self.first_seen, self.val_s = device, 0, 0, 0.0
-        self.times, self.history, self.epoch_train = {}, [], []  # history: each epoch's; epoch_train: its span
+        self.device, self.seen, self.val_s, self.spans, self.history = device, 0, 0.0, [], []
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.times["start"] = self.times["epoch_start"] = time.perf_counter()
+        self.start = self.epoch_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.seen += len(batch[1])
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         _sync(self.device)
-        self.times["val_start"] = time.perf_counter()
-        self.epoch_train.append({"train_s": self.times["val_start"] - self.times["epoch_start"],
-                                 "train_images": self.seen - self.first_seen})
+        self.val_start = time.perf_counter()
+        self.spans.append({"train_s": self.val_start - self.epoch_start, "train_images": self.seen})
+        self.seen = 0
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         _sync(self.device)
-        self.times["end"] = self.times["epoch_start"] = time.perf_counter()
-        self.val_s += self.times["end"] - self.times["val_start"]
-        self.first_seen = self.seen
+        self.end = self.epoch_start = time.perf_counter()
+        self.val_s += self.end - self.val_start
 
     # The finished epoch's values, outside the timed span: the module logs its epoch loss after on_train_epoch_end.
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -160,12 +152,7 @@ class _EpochTimer(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         metrics = trainer.callback_metrics
         self.history.append({"train_loss": float(metrics["train/loss_epoch"]), "val_acc": float(metrics["val/acc"]),
-                             **self.epoch_train[len(self.history)]})
-
-    def result(self) -> dict:
-        total_s, epochs = self.times["end"] - self.times["start"], len(self.epoch_train)
-        return {"train_images": self.seen, "train_s": total_s - self.val_s, "val_s": self.val_s / epochs,
-                "epoch_s": total_s / epochs, "val_acc": self.history[-1]["val_acc"], "history": self.history}
+                             **self.spans[len(self.history)]})
 
 
 def fit_parts(args, device: torch.device, variant: str, workdir: Path, **trainer_kwargs):
@@ -186,8 +173,7 @@ def fit_parts(args, device: torch.device, variant: str, workdir: Path, **trainer
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                   limit_train_batches=args.limit_batches, limit_val_batches=args.limit_batches,
                   default_root_dir=str(workdir))
-    kwargs.update(trainer_kwargs)
-    return model, datamodule, L.Trainer(**{k: v for k, v in kwargs.items() if v is not None})
+    return model, datamodule, L.Trainer(**(kwargs | trainer_kwargs))
 
 
 def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
@@ -199,7 +185,8 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
             "channels_last": model.channels_last, "data_channels_last": datamodule.channels_last,
             "fused_optimizer": bool(trainer.optimizers[0].defaults.get("fused")),
             "eval_batch_size": datamodule.eval_batch_size}
-    return {**timer.result(), "workers": datamodule.num_workers, "used": used}
+    return {**summary(timer.history, timer.end - timer.start, timer.val_s), "workers": datamodule.num_workers,
+            "used": used}
 
 
 # -- floor, loaders alone, anatomy -----------------------------------------------------------------
@@ -210,29 +197,25 @@ def floor_key(used: dict) -> str:
 
 
 def compute_floor(args, device: torch.device, num_classes: int, name: str) -> float:
-    """Train images/s on one batch already on the device, with the settings ``name`` gives in ``floor_key``'s
-    form (``_graph``: the whole step captured once as a CUDA graph and replayed)."""
-    dtype, graph = torch.bfloat16 if name.startswith("bf16") else None, name.endswith("_graph")
+    """Train images/s on one batch already on the device, with ``floor_key``'s settings (``_graph``: a CUDA graph)."""
+    bf16, graph = name.startswith("bf16"), name.endswith("_graph")
     layout = torch.channels_last if "_channels_last" in name else torch.contiguous_format
     model = network(args, num_classes).to(device, memory_format=layout)
-    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device).contiguous(
-        memory_format=layout)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device).to(memory_format=layout)
     labels = torch.randint(0, num_classes, (args.batch_size,), device=device)
     # capturable: the step count and learning-rate math stay on the GPU, so the step can be captured.
-    optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR, fused=("_fused" in name) or None,
-                                 **({"capturable": True} if graph else {}))
+    optimizer = torch.optim.Adam(model.parameters(), lr=TUTORIAL_LR, fused=("_fused" in name) or None, capturable=graph)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=not graph)  # a graph keeps its gradients' memory between replays
         # No autocast weight cache under a graph: a cast cached outside it would be stale inside.
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None,
-                            cache_enabled=not graph):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=not graph):
             loss = nn.functional.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
 
     side = torch.cuda.Stream() if graph else None  # capture wants its warm-up off the default stream
-    with torch.cuda.stream(side) if graph else contextlib.nullcontext():
+    with torch.cuda.stream(side):  # None: no change of stream
         for _ in range(min(3, args.floor_steps)):  # oneDNN's and cuDNN's kernel choice
             step()
     run = step
@@ -253,7 +236,7 @@ def compute_floor(args, device: torch.device, num_classes: int, name: str) -> fl
 def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]:
     """Train images/s of a's PIL loader with the copy to the device, and of c's data path as ``fit`` runs it there
     (on CUDA the cache held on the GPU when it fits), with no model: one epoch after an untimed first batch."""
-    results, detail = {}, {}
+    results = {}
     for name, variant in (("pil", "a"), ("cache", "c")):
         cli = fit_cli(args, device, variant, workdir)
         datamodule = cli.datamodule
@@ -266,7 +249,7 @@ def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]
         batches = chain.from_iterable(islice(loader, per_epoch) for _ in count())  # on into further epochs
         window, seen = args.loader_batches or per_epoch, 0
         for i in range(window + 1):
-            if i == 1:  # the first batch starts the workers and warms the crop's kernels
+            if i == 1:  # untimed, the first batch: it starts the workers and warms the crop's kernels
                 _sync(device)
                 start, seen = time.perf_counter(), 0
             batch = next(batches)
@@ -274,15 +257,13 @@ def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]
                 batch = [tensor.to(device) for tensor in batch]
             else:
                 batch = datamodule.on_after_batch_transfer(datamodule.transfer_batch_to_device(batch, device, 0), 0)
-            if i >= 1:
-                seen += len(batch[1])
+            seen += len(batch[1])
         _sync(device)
         results[name] = seen / (time.perf_counter() - start)
-        if name == "cache":
-            path = (f"cache on {device}, batches of indices" if getattr(datamodule.train_set, "as_index", False) else
-                    f"cache in host memory, {datamodule.num_workers} workers" + (", pinned" * loader.pin_memory))
-            detail = {"batches": window, "cache_path": f"{path}, crop on {device.type}"}
-    return results, detail
+    # datamodule and loader are c's, the last measured
+    path = (f"cache on {device}, batches of indices" if getattr(datamodule.train_set, "as_index", False) else
+            f"cache in host memory, {datamodule.num_workers} workers" + (", pinned" * loader.pin_memory))
+    return results, {"batches": window, "cache_path": f"{path}, crop on {device.type}"}
 
 
 def anatomy(args, device: torch.device, workdir: Path) -> dict:
@@ -365,13 +346,11 @@ def tta(args: argparse.Namespace) -> dict:
             args.recipes[0], [f"--{setting}" for setting in shlex.split(settings)])
     with tempfile.TemporaryDirectory(prefix="tta-flowers-") as tmp:
         data_dir = split_folder(args.data_dir.resolve(), Path(tmp) / "split")
-        warm_up_s = {}
-        for name, (recipe, changes) in names.items():
-            started = time.time()
-            fit_process(recipe, data_dir, 0, Path(tmp) / f"warm-up-{len(warm_up_s)}", [
+        warm_up_s = {}  # one batch of each recipe builds its cache, untimed; the last flag validates its one epoch
+        for n, (name, (recipe, changes)) in enumerate(names.items()):
+            warm_up_s[name] = fit_process(recipe, data_dir, 0, Path(tmp) / f"warm-up-{n}", [
                 *fit_extra, *changes, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
-                "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=1"])  # validates its one epoch
-            warm_up_s[name] = time.time() - started
+                "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=1"])["total_s"]
         recipes: dict[str, list[dict]] = {name: [] for name in [LOOP] * (not args.no_loop) + list(names)}
         for repeat in range(args.repeats):
             seed = args.seed + repeat
@@ -423,18 +402,16 @@ def paired(first: list[float], second: list[float]) -> dict:
 
 
 def table(report: dict) -> str:
-    c, variants = report["config"], report["variants"]
+    c, variants, base = report["config"], report["variants"], report["variants"].get("a")
     several = c["epochs"] > 1
     rows = [["variant", "train img/s", "epoch s", "img/s÷a", "time÷a", "÷floor", "val acc mean (min–max)",
              " img/s after epoch 1" * several]]
-    base = variants.get("a")
     for variant, result in variants.items():
         runs, accs = result["runs"], [r["val_acc"] for r in result["runs"]]
-        epoch_s = [r["epoch_s"] for r in runs]
         rows.append([LABELS.get(variant) or f"{variant} c with {c['ablations'][variant]}",
-                     spread([r["train_images_per_s"] for r in runs]), spread(epoch_s, 2),
+                     spread([r["train_images_per_s"] for r in runs]), spread([r["epoch_s"] for r in runs], 2),
                      f"{result['ratio_to_a']:.3f}" if base else "-",
-                     f"{statistics.median(epoch_s) / base['median_epoch_s']:.3f}" if base else "-",
+                     f"{result['median_epoch_s'] / base['median_epoch_s']:.3f}" if base else "-",
                      "-" if result["fraction_of_floor"] is None else f"{result['fraction_of_floor']:.1%}",
                      f"{statistics.mean(accs):.3f} ({min(accs):.3f}–{max(accs):.3f})",
                      f" [{runs[0]['workers']} workers]", f" {spread([steady(r) for r in runs])}" * several])
@@ -502,39 +479,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("FLOWERS_DATA_DIR") or DEFAULT_DATA),
-                   help=f"class folders (default: $FLOWERS_DATA_DIR when set, else {DEFAULT_DATA}, from `make data`)")
+                   help=f"class folders (default: $FLOWERS_DATA_DIR, else {DEFAULT_DATA})")
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, or of each recipe with --tta")
     p.add_argument("--seed", type=int, default=0, help="repeat r seeds torch with SEED + r")
     p.add_argument("--epochs", type=int, default=1, help="epochs per run; the val accuracy is the last one's")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--num-workers", type=int, default=None, help="default: the tutorial's min(cpu, batch, 8)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--limit-batches", type=int, default=None, help="batches per epoch (for smoke tests)")
+    p.add_argument("--num-workers", type=int, help="default: the tutorial's min(cpu, batch, 8)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--limit-batches", type=int, help="batches per epoch (for smoke tests)")
     p.add_argument("--floor-steps", type=int, default=20)
     p.add_argument("--graph-floor", action="store_true", help="CUDA: also c's floor as one captured CUDA graph")
-    p.add_argument("--loader-batches", type=int, default=None, help="batches the loaders alone are timed over")
+    p.add_argument("--loader-batches", type=int, help="batches the loaders alone are timed over (default: an epoch)")
     p.add_argument("--accuracy-only", action="store_true", help="no warm-up, compute floor or loaders alone")
-    p.add_argument("--parallel", type=int, default=1, help="N repeats at a time, one process each (their speeds "
-                   "are not comparable: implies --accuracy-only)")
-    p.add_argument("--anatomy", type=int, default=None, metavar="STEPS",
-                   help="instead: ms per phase of STEPS training steps of each fit variant, after --warmup-batches")
+    p.add_argument("--parallel", type=int, default=1, help="repeats at a time, a process each; implies --accuracy-only")
+    p.add_argument("--anatomy", type=int, metavar="STEPS", help="instead: ms per phase of STEPS training steps")
     p.add_argument("--warmup-batches", type=int, default=3, help="batches of each variant's warm-up run (0: none)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="a subset (empty: only the --ablate variants)")
-    p.add_argument("--network", choices=("alexnet", "free"), default="alexnet",
-                   help="free: a network that costs next to nothing, so each figure is its loop's ceiling")
-    p.add_argument("--ablate", action="append", default=[], metavar="SETTINGS", help="add c (with --tta: the first "
-                   "recipe) with these `flowers fit` settings changed, e.g. 'data.cache=false model.compile=true'")
+    p.add_argument("--network", choices=("alexnet", "free"), default="alexnet", help="free: a loop's ceiling")
+    p.add_argument("--ablate", action="append", default=[], metavar="SETTINGS",
+                   help="add c (with --tta: the first recipe) with these `flowers fit` settings changed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", type=Path, default=None, help="also write the full results here")
-    p.add_argument("--tta", action="store_true", help="instead: time to accuracy, whole processes (--data-dir may "
-                   "also hold train/ and val/); the options below are its own")
-    p.add_argument("--recipe", action="append", default=[], metavar="CONFIGS", help="config files for one recipe, "
-                   "space-separated, repeatable (default: configs/tutorial.yaml configs/fast.yaml)")
+    p.add_argument("--json", type=Path, help="also write the full results here")
+    p.add_argument("--tta", action="store_true", help="instead: time to accuracy, whole processes")
+    p.add_argument("--recipe", action="append", default=[], metavar="CONFIGS",
+                   help="a recipe's config files, space-separated (default: configs/tutorial.yaml configs/fast.yaml)")
     p.add_argument("--targets", default="0.70,0.80", help="accuracies to time, comma-separated")
     p.add_argument("--no-loop", action="store_true", help="leave out the tutorial's loop")
-    p.add_argument("--fit-args", default="", help="extra `flowers fit` arguments for every recipe (one flag "
-                   "alone needs the = form: --fit-args=--trainer.max_epochs=5)")
+    p.add_argument("--fit-args", default="", help="extra `flowers fit` arguments (one alone needs =: --fit-args=--x=1)")
     p.add_argument("--loop-args", default="", help="extra arguments for benchmarks/tutorial_loop.py")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -601,8 +573,8 @@ def bench(args: argparse.Namespace) -> dict:
         for repeat in range(args.repeats):
             for variant in args.variants if repeat % 2 == 0 else args.variants[::-1]:  # so drift favours none
                 torch.manual_seed(args.seed + repeat)
-                result = (run_plain if variant == "a" else run_fit)(args, device, variant,
-                                                                    workdir / f"{variant}-{repeat}")
+                run = run_plain if variant == "a" else run_fit
+                result = run(args, device, variant, workdir / f"{variant}-{repeat}")
                 result["train_images_per_s"] = result["train_images"] / result["train_s"]
                 runs[variant].append(result)
                 print(f"# repeat {repeat + 1}/{args.repeats} {variant}: {result['train_images_per_s']:.1f} img/s, "
@@ -618,9 +590,8 @@ def bench(args: argparse.Namespace) -> dict:
             floor_now = {name: compute_floor(args, device, data.num_classes, name) for name in names}
             for name, value in floor_now.items():
                 floor_runs.setdefault(name, []).append(value)
-            for variant in args.variants:
-                runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[
-                    keys[variant]]
+            for variant, key in keys.items():
+                runs[variant][-1]["fraction_of_floor"] = runs[variant][-1]["train_images_per_s"] / floor_now[key]
             print(f"# repeat {repeat + 1}/{args.repeats} floor: " + ", ".join(
                 f"{name} {value:.1f}" for name, value in floor_now.items()) + " img/s", file=sys.stderr, flush=True)
         loader, detail = (None, None) if args.accuracy_only else loader_alone(args, device, workdir)

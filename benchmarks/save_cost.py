@@ -1,10 +1,8 @@
 """``python benchmarks/save_cost.py``: what a mid-epoch ``last.ckpt`` costs, in bytes and seconds.
 
-Trains a few batches of configs/tutorial.yaml on the synthetic flowers (the checkpoint's size does not depend on
-the data: weights, optimizer state, loop and loader state), then times ``trainer.save_checkpoint`` of ``last.ckpt``
-through the project's atomic writer (write beside, fsync, rename) ``--repeats`` times, and prints the size, the
-median time (min–max) and that time as a share of ``--checkpoint.train_time_interval``'s default. The disk is the
-one ``--dir`` is on (default: a temporary folder under the current one, where ``runs/`` would be).
+A few batches of configs/tutorial.yaml on the synthetic flowers (the size depends not on the data), then
+``trainer.save_checkpoint`` of ``last.ckpt`` through the atomic writer timed ``--repeats`` times, on ``--dir``'s disk:
+its size, the median time (min–max) and that time's share of ``--checkpoint.train_time_interval``'s default.
 """
 
 from __future__ import annotations

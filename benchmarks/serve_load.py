@@ -1,13 +1,9 @@
 """``python benchmarks/serve_load.py``: latency and throughput of ``flowers serve`` under concurrent clients.
 
-With ``--ckpt_path``, one server per batch window (``--windows 0,5``, ms) on free ports of 127.0.0.1, stopped at the
-end; with ``--url``, a server already running. Each of ``--clients`` threads keeps one connection and sends its share
-of ``--requests`` JPEGs (8 synthetic flowers of 240 px) one after the other, after 16 unmeasured ones. Per window:
-p50 and p99 latency, requests/s, errors and the answers' ``X-Batch-Size``; ``--repeats`` alternate the windows' order.
-
-``--decode`` decodes the largest uploads as the HTTP process does, each in a fresh process (no server), squashed to
-224 px. ``--draft-check FOLDER --ckpt_path CKPT`` compares the predictions for each JPEG decoded whole and decoded
-reduced (as the server decodes a large JPEG); ``--upscale N`` enlarges each photo N times first, as phone photos are.
+With ``--ckpt_path``, one server per batch window (``--windows``, ms) on a free port of 127.0.0.1; with ``--url``, a
+server already running. ``--clients`` threads, one connection each, send ``--requests`` JPEGs in all after 16
+unmeasured ones. ``--decode`` times the decode of the largest uploads, each in a fresh process; ``--draft-check``
+compares predictions for JPEGs decoded whole and reduced. docs/benchmarks.md and docs/serving.md give the figures.
 """
 
 from __future__ import annotations
@@ -21,16 +17,23 @@ import os
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.parse
+import zlib
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
+
+from flowers.data.images import load_rgb_bytes
+from flowers.data.synthetic import draw_flower
+from flowers.serve.uploads import BadImage, decode_upload, open_upload, return_large_frees, square_of
 
 WARMUP, TIMEOUT_S, SIDE = 16, 30.0, 224  # unmeasured requests per run; seconds a request may take; --decode's side
 
@@ -50,15 +53,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--draft-check", type=Path, metavar="FOLDER",
-                   help="with --ckpt_path, start no server: compare predictions for the JPEGs in FOLDER decoded whole "
-                        "and reduced")
+                   help="with --ckpt_path, no server: compare predictions for FOLDER's JPEGs decoded whole and reduced")
     p.add_argument("--upscale", type=float, default=1.0, help="with --draft-check: enlarge each photo this many times")
     return p
 
 
 def photos() -> list[bytes]:
-    from flowers.data.synthetic import draw_flower
-
     rng, encoded = np.random.default_rng(0), []
     for i in range(8):
         buffer = io.BytesIO()
@@ -81,13 +81,10 @@ def connect(url: str, timeout: float = TIMEOUT_S) -> http.client.HTTPConnection:
 
 
 def get(url: str, path: str) -> tuple[int, bytes]:
-    connection = connect(url, timeout=10)
-    try:
+    with contextlib.closing(connect(url, timeout=10)) as connection:
         connection.request("GET", path)
         response = connection.getresponse()
         return response.status, response.read()
-    finally:
-        connection.close()
 
 
 class Server:
@@ -127,18 +124,16 @@ class Server:
 
 def load(url: str, images: list[bytes], requests: int, clients: int) -> dict:
     """``requests`` POSTs from ``clients`` threads, each on its own keep-alive connection."""
-    shares = [requests // clients + (i < requests % clients) for i in range(clients)]
     latencies, errors, sizes = [], [], []  # list.append is atomic: the threads share them
     start = threading.Barrier(clients + 1)
 
     def client(index: int) -> None:
         connection = connect(url)
         start.wait()
-        for n in range(shares[index]):
+        for n in range(index, requests, clients):  # the run's requests n, every clients-th from its own index
             sent = time.perf_counter()
             try:
-                connection.request("POST", "/predict", images[(index + n * clients) % len(images)],
-                                    {"Content-Type": "image/jpeg"})
+                connection.request("POST", "/predict", images[n % len(images)], {"Content-Type": "image/jpeg"})
                 response = connection.getresponse()
                 answer = response.read()
             except OSError as failure:
@@ -188,11 +183,6 @@ def table(runs: list[dict]) -> str:
 
 def largest_uploads(folder: Path) -> dict[str, Path]:
     """The images --decode measures, written into ``folder``: the largest of each kind under PIL's pixel limit."""
-    import struct
-    import zlib
-
-    from PIL import Image
-
     def png(side: int, depth: int, color: int, row: bytes) -> bytes:
         def chunk(kind: bytes, data: bytes) -> bytes:
             return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -227,8 +217,6 @@ def largest_uploads(folder: Path) -> dict[str, Path]:
 
 def decode_one(path: str) -> dict:
     """In this fresh process: decode ``path`` as the HTTP process does, in a thread, and measure it."""
-    from flowers.serve.uploads import BadImage, open_upload, return_large_frees, square_of
-
     def status(field: str) -> float:
         line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
         return int(line.split()[1]) / 1024
@@ -271,14 +259,9 @@ def decode_table(budget_mib: float = 512) -> None:
 
 def draft_check(folder: Path, ckpt_path: str, upscale: float) -> str:
     """Top class and probabilities of the JPEGs in ``folder``, decoded whole and reduced."""
-    import torch
-    from PIL import Image, ImageOps
+    import torch  # here: the other measurements need no torch
 
     from flowers.serve.model import Predictor, describe
-    from flowers.serve.uploads import decode_upload
-
-    def load_rgb_bytes(data: bytes) -> Image.Image:  # as predict reads a photo: EXIF rotation applied
-        return ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
 
     source = describe(ckpt_path)
     predictor, side = Predictor(source), source.image_size
@@ -291,7 +274,7 @@ def draft_check(folder: Path, ckpt_path: str, upscale: float) -> str:
             image.resize((round(image.width * upscale), round(image.height * upscale)),
                          Image.Resampling.LANCZOS).save(buffer, "JPEG", quality=92)
             data = buffer.getvalue()
-        whole = np.asarray(load_rgb_bytes(data).resize((side, side), Image.Resampling.BILINEAR))
+        whole = np.asarray(load_rgb_bytes(data).resize((side, side), Image.Resampling.BILINEAR))  # as predict reads
         draft = decode_upload(data, side)
         reduced += not np.array_equal(whole, draft)
         probs = predictor.probabilities(torch.stack([predictor.tensor(whole), predictor.tensor(draft)]))

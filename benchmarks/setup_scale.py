@@ -1,10 +1,8 @@
 """``python benchmarks/setup_scale.py --sizes 10000,30000,100000``: how data setup grows with the folder.
 
-For each size, a synthetic flower folder of that many images (``flowers.data.synthetic``, ``--photo-size`` px,
-drawn once into ``--work``), then data setup as ``fit`` does it with the cache: listing, the image check, the split
-and the cache build, each timed, in a fresh process whose peak resident memory is reported. Each size is set up
-twice: the second run finds the record of checked files and the cache, as a user's next run does. The table gives
-seconds per phase, microseconds per image, and the peak memory.
+Per size, a synthetic flower folder drawn once into ``--work``, then ``fit``'s data setup with the cache (listing,
+image check, split, cache build: each timed) twice, each in a fresh process whose peak resident memory is reported:
+the second run finds the record of checked files and the cache, as a user's next run does.
 """
 
 from __future__ import annotations
@@ -53,8 +51,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="10000,30000,100000", help="comma-separated image counts")
     parser.add_argument("--work", type=Path, default=Path("data/setup_scale"), help="where the folders are drawn")
     parser.add_argument("--photo-size", type=int, default=48, help="side of the synthetic photos")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)  # the child's job
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child's job
     args = parser.parse_args()
     if args.measure is not None:
         print(json.dumps(measure(args.measure)))

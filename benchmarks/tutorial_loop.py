@@ -1,10 +1,9 @@
 """``python benchmarks/tutorial_loop.py --data-dir DIR``: the tutorial's single-device training script, as a
 whole process, the reference that time-to-accuracy figures are compared with.
 
-What the tutorial does: ``ImageFolder`` on ``DIR/train`` and ``DIR/val``, its transforms, batch 32,
-``min(cpu_count, batch, 8)`` loader workers, Adam at 2e-4, a train epoch, then counting correct top-1 predictions on
-the validation set, less its bugs (the running loss is averaged over the epoch). Each epoch prints one JSON line: the
-epoch, the validation accuracy, the mean train loss and the seconds since the process started (imports included).
+As the tutorial: ``ImageFolder`` on ``DIR/train`` and ``DIR/val``, its transforms, batch 32, ``min(cpu_count, batch,
+8)`` workers, Adam at 2e-4, less its bugs (the running loss is averaged over the epoch). Each epoch prints a JSON line:
+epoch, val accuracy, mean train loss and the seconds since the process started (imports included).
 """
 
 from __future__ import annotations

@@ -4,14 +4,9 @@
 #   DATA=path/to/flower_photos RESULTS=out/ STEPS="env accuracy anatomy ceiling" benchmarks/gpu/run_all.sh
 #   DATA=path/to/flower_photos RESULTS=out/ STEPS="env tta" benchmarks/gpu/run_all.sh
 #   benchmarks/gpu/run_all.sh --smoke     # every step on the CPU, tiny data, a few batches (about 2 minutes)
-# Steps: env checks throughput accuracy anatomy ceiling tta (STEPS, default: all), in this order whatever the order
-# of STEPS, each under its own time limit (sized for one H100/H200 with 16 CPU cores; <STEP>_S sets one, e.g.
-# ACCURACY_S=300); docs/benchmarks-gpu.md describes each. Each step writes $RESULTS/<step>.txt (its table) and
-# <step>.log as it goes; at the end every table and each step's result are printed, and the exit status is 1 when
-# a step failed or ran out of time. DATA defaults to $FLOWERS_DATA_DIR, else data/flower_photos. Python: $PYTHON,
-# else the checkout's .venv/bin/python, else python3 (packages it lacks come from wheels brought along: pip install
-# --no-index --find-links wheels/ lightning pytest). Scratch files go to $WORK, a temporary folder removed at the
-# end unless WORK is set.
+# Steps (STEPS, default: all): env checks throughput accuracy anatomy ceiling tta, run in this order, each under its
+# own time limit (<STEP>_S sets one, e.g. ACCURACY_S=300), writing $RESULTS/<step>.txt (its table) and <step>.log; the
+# exit status is 1 when a step failed or ran out of time. docs/benchmarks-gpu.md describes each step and the settings.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
