@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from flowers.alexnet import MIN_IMAGE_SIZE
+from flowers.budget import parse_budget
 from flowers.errors import ConfigError
 from flowers.files import can_create, special_kind
 
@@ -87,6 +88,16 @@ def check_trainer(trainer, *, new_fit: bool, ddp_timeout: float | None = None) -
     if new_fit and trainer.get("max_epochs") == 0:
         raise ConfigError("--trainer.max_epochs=0 trains nothing, so no run was started: use 1 or more (to resume "
                           "a run, pass --ckpt_path).")
+
+
+def check_budget(budget: str, trainer) -> None:
+    """A budget is a duration and the one limit of the run's length: it sets max_epochs; max_steps or max_time
+    would cut its schedule short."""
+    parse_budget(budget)
+    for name in ("max_steps", "max_time"):
+        if trainer.get(name) not in (None, -1):
+            raise ConfigError(f"--budget {budget} and --trainer.{name}={trainer.get(name)} both limit the run: the "
+                              f"budget sets the number of epochs that fit its time. Unset --trainer.{name}.")
 
 
 def check_regular_file(path: str | Path, flag: str, wanted: str) -> None:

@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from flowers import backbones, checks, inference, lightning_internals, precision, restarts, resume, runs
+from flowers.budget import TimeBudget, saved_budget
 from flowers.callbacks import ClassIndicesWriter, LearningRateFinderReport, TensorBoardPictures
 from flowers.checkpoint_reader import check_resumable, read
 from flowers.checkpoint_writer import AtomicCheckpointIO
@@ -56,6 +57,12 @@ class FlowersCLI(LightningCLI):
                  "avx512_bf16 or amx_bf16), else 32-true. Used only while --trainer.precision is unset.",
         )
         parser.add_argument(
+            "--budget", type=str | None, default=None,
+            help="fit only: the time the whole run may take, as [[[D:]H:]M:]S (0:05:00). The run measures its speed "
+                 "at its start and sets --trainer.max_epochs so that its whole schedule ends within the budget; a "
+                 "resumed run keeps its plan.",
+        )
+        parser.add_argument(
             "--ddp_timeout", type=float, default=DDP_TIMEOUT_S,
             help="Seconds a ddp process waits for its peers in a collective (gradient sync, barrier) before it "
                  "gives up with an error, e.g. when another rank died or hangs. Applies to --trainer.strategy=ddp.",
@@ -81,10 +88,13 @@ class FlowersCLI(LightningCLI):
         for note in self._plan.notes:
             rank_zero_info(note)
         self._resumed_step = 0
+        self._budget = config.get("budget") if subcommand == "fit" else None
         if config.get("ckpt_path") is not None:
             self._checkpoint = _read_checkpoint(config.ckpt_path)
             self._resumed_step = int(self._checkpoint.get("global_step", 0))
             if subcommand == "fit":
+                # A budget's run resumed without --budget still continues its plan.
+                self._budget = self._budget or saved_budget(self._checkpoint)
                 _warn_overridden_model_flags(config.get("model"), lightning_internals.subcommand_defaults(
                     self, "fit").get("model"), self._checkpoint.get("hyper_parameters", {}))
         # Lightning then replaces all of model.* with the checkpoint's. What the model is (classes, dropout,
@@ -105,6 +115,8 @@ class FlowersCLI(LightningCLI):
             config.trainer.precision, why = precision.resolve(config.trainer.get("accelerator"))
             rank_zero_info(f"precision: auto -> --trainer.precision={config.trainer.precision} ({why})")
         checks.check_devices(config.trainer)
+        if self.subcommand == "fit" and config.get("budget") is not None:
+            checks.check_budget(config.budget, config.trainer)
         checks.check_image_sizes(config.data)
         if self.subcommand is not None:
             dirpath = config.get("checkpoint", {}).get("dirpath")
@@ -202,9 +214,12 @@ class FlowersCLI(LightningCLI):
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             plugins.append(AtomicCheckpointIO())  # a user's own CheckpointIO is kept as given
         try:
-            return super().instantiate_trainer(**kwargs, plugins=plugins)
+            trainer = super().instantiate_trainer(**kwargs, plugins=plugins)
         except MisconfigurationException as error:  # not only the machine: also settings that contradict
             raise ConfigError(f"Lightning refused the --trainer settings: {error}") from None
+        if self._budget is not None:
+            trainer.callbacks.insert(0, TimeBudget(self._budget, planned=config.get("ckpt_path") is not None))
+        return trainer
 
     def before_fit(self) -> None:
         if self._job is not None:

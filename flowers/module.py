@@ -332,7 +332,9 @@ class FlowerClassifier(L.LightningModule):
         images, indices, errors = batch
         return {"index": indices, "probs": self.eval_logits(images).float().softmax(dim=1), "error": list(errors)}
 
-    def _optimizer(self) -> torch.optim.Optimizer:
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """A new optimizer over this module's parameters, as the config says (``configure_optimizers`` adds the
+        schedule)."""
         params = list(self.parameters())
         if self.hparams.get("head_lr") is not None:
             body, head = backbones.head_parameters(self.net)
@@ -381,7 +383,7 @@ class FlowerClassifier(L.LightningModule):
                     group.update(fused=True, foreach=None)
 
     def configure_optimizers(self):
-        optimizer = self._optimizer()
+        optimizer = self.make_optimizer()
         scale = self.lr_scale()
         for group in optimizer.param_groups:  # before the scheduler reads them as its base learning rates
             group["lr"] *= scale

@@ -187,7 +187,7 @@ def test_the_fused_optimizer_keeps_the_settings_and_the_update(optimizer, in_tmp
         torch.manual_seed(0)  # same weights and the same dropout masks
         model = FlowerClassifier(5, optimizer=factory, fused_optimizer=fused)
         start = torch.cat([p.detach().flatten() for p in model.parameters()])
-        step = model._optimizer()
+        step = model.make_optimizer()
         for _ in range(3):
             step.zero_grad()
             torch.nn.functional.cross_entropy(model(images), labels).backward()
@@ -211,7 +211,8 @@ def test_the_fused_optimizer_keeps_the_settings_and_the_update(optimizer, in_tmp
 def test_an_optimizer_with_no_fused_kernel_is_kept(in_tmp):
     from functools import partial
 
-    optimizer = FlowerClassifier(5, optimizer=partial(torch.optim.RMSprop, lr=1e-3), fused_optimizer=True)._optimizer()
+    model = FlowerClassifier(5, optimizer=partial(torch.optim.RMSprop, lr=1e-3), fused_optimizer=True)
+    optimizer = model.make_optimizer()
     assert isinstance(optimizer, torch.optim.RMSprop) and "fused" not in optimizer.defaults
 
 

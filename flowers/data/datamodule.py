@@ -38,7 +38,7 @@ from flowers.data.folders import (
 from flowers.data.pipelines import BatchContext, TrainImages, TrainingPipeline, settings_from
 from flowers.data.pipelines.cached import CachedPipeline, CachedSettings
 from flowers.data.pipelines.pil import PilPipeline, PilSettings
-from flowers.data.resizing import size_at_epoch
+from flowers.data.resizing import schedule_sizes, size_at_epoch
 from flowers.data.sampling import EpochSampler, ResumableLoader
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD, AutoAugment, eval_transform
 from flowers.errors import ConfigError, DataError
@@ -311,11 +311,15 @@ class FlowerDataModule(L.LightningDataModule):
         return root / "test"
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        # The pipeline's own step on the training device, then the augmentations every pipeline shares.
         trainer = self.trainer
-        precision = str(getattr(trainer, "precision", "")) if trainer is not None else ""
-        context = BatchContext(training=trainer is not None and trainer.training, train_size=self.train_image_size(),
-                               bf16=precision.startswith("bf16"), channels_last=self.channels_last)
+        return self.on_device(batch, training=trainer is not None and trainer.training, side=self.train_image_size())
+
+    def on_device(self, batch, *, training: bool, side: int):
+        """A loaded batch on the training device, made what the model gets: the pipeline's own step, then the
+        augmentations every pipeline shares; ``side``: the training images' side."""
+        precision = str(getattr(self.trainer, "precision", "")) if self.trainer is not None else ""
+        context = BatchContext(training=training, train_size=side, bf16=precision.startswith("bf16"),
+                               channels_last=self.channels_last)
         batch = self.pipeline.on_device(batch, context)
         if isinstance(batch, TrainImages):
             return self.shared_augment(batch.images, batch.labels, num_classes=self.num_classes)
@@ -328,12 +332,21 @@ class FlowerDataModule(L.LightningDataModule):
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         return bool(getattr(model, "channels_last", False))
 
-    def train_image_size(self) -> int:
-        """The side of this epoch's training images: ``image_size``, or its progressive-resizing schedule."""
-        if self.start_image_size is None or self.trainer is None:
+    def train_image_size(self, epoch: int | None = None, max_epochs: int | None = None) -> int:
+        """The side of the training images of ``epoch`` of ``max_epochs`` (unset: the trainer's current epoch and
+        its max_epochs): ``image_size``, or its progressive-resizing schedule."""
+        if self.start_image_size is None:
             return self.image_size
-        return size_at_epoch(self.trainer.current_epoch, self.trainer.max_epochs or 0,
-                             start_size=self.start_image_size, final_size=self.image_size, ramp=self.resize_ramp)
+        if epoch is None or max_epochs is None:
+            if self.trainer is None:
+                return self.image_size
+            epoch, max_epochs = self.trainer.current_epoch, self.trainer.max_epochs or 0
+        return size_at_epoch(epoch, max_epochs, start_size=self.start_image_size, final_size=self.image_size,
+                             ramp=self.resize_ramp)
+
+    def train_image_sizes(self) -> list[int]:
+        """Every side ``train_image_size`` can give, whatever the number of epochs."""
+        return schedule_sizes(self.start_image_size or self.image_size, self.image_size)
 
     def _eval_transform(self):
         return eval_transform(crop_size=self.eval_image_size, mean=self.mean, std=self.std)

@@ -26,3 +26,11 @@ def size_at_epoch(epoch: int, max_epochs: int, *, start_size: int, final_size: i
         return start_size
     size = start_size + (final_size - start_size) * (epoch - first) / (last - first)
     return max(start_size, int(size) // SIZE_MULTIPLE * SIZE_MULTIPLE)
+
+
+def schedule_sizes(start_size: int, final_size: int) -> list[int]:
+    """Every side ``size_at_epoch`` can give, whatever the number of epochs."""
+    if start_size >= final_size:
+        return [final_size]
+    between = range((start_size // SIZE_MULTIPLE + 1) * SIZE_MULTIPLE, final_size, SIZE_MULTIPLE)
+    return [start_size, *between, final_size]
