@@ -187,3 +187,12 @@ def test_every_ddp_process_runs_rank_zeros_plan(tmp_path, tiny_synthetic):
 def test_a_checkpoints_plan_is_data_checked_before_it_is_used(plan):
     with pytest.raises(ConfigError, match="time-budget plan is not one flowers wrote"):
         budget.Plan.from_state(plan)
+
+
+def test_a_run_set_in_epochs_is_not_resumed_under_a_budget(in_tmp, tiny_synthetic, capsys):
+    data = f"--data.data_dir={tiny_synthetic}"
+    fit_in(in_tmp, *TINY_RUN, data, "--trainer.limit_train_batches=2", "--trainer.max_epochs=2",
+           "--trainer.callbacks+=tests.test_budget.StopAfter", "--trainer.callbacks.init_args.epochs=1")
+    assert main(["fit", *TINY_RUN, data, "--trainer.limit_train_batches=2", "--budget=0:05:00",
+                 "--ckpt_path=last"]) == 2
+    assert "--budget was given to resume a run that was not planned by a budget" in capsys.readouterr().err
