@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 CONFIG ?= configs/quickstart.yaml
 
-.PHONY: help install browser train data test test-slow test-all test-gpu lint bench tta tensorboard clean
+.PHONY: help install browser postgres train data test test-slow test-all test-gpu lint bench tta tensorboard clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -25,6 +25,14 @@ browser:  ## Debian's chromium and chromedriver for the page's browser test (apt
 	  $$sudo apt-get install -y --no-install-recommends chromium chromium-driver \
 	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends chromium chromium-driver; } \
 	  || echo "could not install chromium with apt: the browser test will skip"; fi
+
+postgres:  ## Debian's PostgreSQL for the test of a sweep shared by two machines (the test starts its own server)
+	@if command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then echo "postgresql is installed"; \
+	elif ! command -v apt-get >/dev/null; then echo "no apt-get: install PostgreSQL yourself, or that test skips"; \
+	else sudo=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y --no-install-recommends postgresql \
+	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends postgresql; } \
+	  || echo "could not install postgresql with apt: that test will skip"; fi
 
 train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, 3 to 5 minutes)
 	$(BIN)/flowers fit --config $(CONFIG)

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "export": "write a checkpoint's network as a state_dict, ONNX or TorchScript file",
     "download": "fetch the flower photos (about 220 MB) into data/flower_photos, once",
     "serve": "serve a checkpoint or an export over HTTP, with a page to try it",
+    "sweep": "search fit's settings with Optuna, each trial a fit run: flowers sweep --config configs/sweeps/…",
 }
 
 
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from flowers.serve import main as serve
 
         return serve(words[1:])
+    if words[0] == "sweep":
+        from flowers.sweep import main as sweep
+
+        return sweep(words[1:])
     from flowers.cli import main as cli
 
     # None lets LightningCLI read sys.argv itself; given args beside a command line, it warns on every run.

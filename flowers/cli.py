@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from argparse import ArgumentError
 from datetime import timedelta
 from pathlib import Path
@@ -313,36 +315,64 @@ def _read_checkpoint(path: str, flag: str = "--ckpt_path") -> dict:
 def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
     named = _subcommand_of(sys.argv[1:] if args is None else args) if run else None
     try:
-        return FlowersCLI(
-            FlowerClassifier,
-            FlowerDataModule,
-            subcommand=named,
-            args=args,
-            run=run,
-            seed_everything_default=42,
-            save_config_callback=runs.RunFolderConfig,
-            save_config_kwargs={"overwrite": False},
-            # No abbreviated options: a misspelled flag that is a prefix of a real one must be an error, not a guess.
-            # exit_on_error=False: a parse error is raised, and printed alone below (the usage is for --help).
-            parser_kwargs={"prog": "flowers", "allow_abbrev": False, "exit_on_error": False,
-                           **{subcommand: {"allow_abbrev": False, "exit_on_error": False}
-                              for subcommand in LightningCLI.subcommands() if named in (None, subcommand)}},
-            trainer_defaults={
-                "logger": {
-                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                    # No placeholder hp_metric: TensorBoardPictures logs the hparams with the real val metrics at
-                    # fit end, and TensorBoard keeps only the first hparams record of a run.
-                    "init_args": {"save_dir": runs.LOG_DIR, "name": runs.NAME, "default_hp_metric": False},
-                },
-                "callbacks": [runs.SameVersionOnEveryRank(), LearningRateMonitor(logging_interval="epoch"),
-                              ClassIndicesWriter(), TensorBoardPictures(), RNGStateCheckpoint(),
-                              LearningRateFinderReport()],  # prints and plots --trainer.callbacks+=LearningRateFinder
-            },
-        )
+        return FlowersCLI(FlowerClassifier, FlowerDataModule, subcommand=named, args=args, run=run,
+                          **_cli_settings(named))
     except ArgumentError as error:
         # jsonargparse would print its whole usage first: the error alone, and where the settings are listed.
         print(f"flowers: error: {_refusal(error, sys.argv[1:] if args is None else args)}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+class _ParsedOnly(FlowersCLI):
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+def parse_fit(args: list[str]):
+    """``(parser, config)`` of a fit command line (less ``fit``), parsed and type-checked as fit would and nothing
+    built: for tools that check or write fit configs. A setting fit would refuse is a ConfigError."""
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)  # no "Seed set to 42": nothing runs
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")  # a tool's own argv
+            cli = _ParsedOnly(FlowerClassifier, FlowerDataModule, args=args, run=False, **_cli_settings(None))
+    except ArgumentError as error:
+        raise ConfigError(" ".join(str(error).split())) from None
+    finally:
+        seed_log.setLevel(level)
+    return cli.parser, cli.config
+
+
+def _cli_settings(named: str | None) -> dict:
+    return dict(
+        seed_everything_default=42,
+        save_config_callback=runs.RunFolderConfig,
+        save_config_kwargs={"overwrite": False},
+        # No abbreviated options: a misspelled flag that is a prefix of a real one must be an error, not a guess.
+        # exit_on_error=False: a parse error is raised, and printed alone (the usage is for --help).
+        parser_kwargs={"prog": "flowers", "allow_abbrev": False, "exit_on_error": False,
+                       **{subcommand: {"allow_abbrev": False, "exit_on_error": False}
+                          for subcommand in LightningCLI.subcommands() if named in (None, subcommand)}},
+        trainer_defaults={
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                # No placeholder hp_metric: TensorBoardPictures logs the hparams with the real val metrics at
+                # fit end, and TensorBoard keeps only the first hparams record of a run.
+                "init_args": {"save_dir": runs.LOG_DIR, "name": runs.NAME, "default_hp_metric": False},
+            },
+            "callbacks": [runs.SameVersionOnEveryRank(), LearningRateMonitor(logging_interval="epoch"),
+                          ClassIndicesWriter(), TensorBoardPictures(), RNGStateCheckpoint(),
+                          LearningRateFinderReport()],  # prints and plots --trainer.callbacks+=LearningRateFinder
+        },
+    )
 
 
 def main(args: list[str] | None = None) -> int:

@@ -166,7 +166,7 @@ def test_help_lists_every_subcommand_under_the_name_flowers(entry):
         pytest.skip(f"no console script at {command[0]}: flowers is not pip-installed in this environment")
     overview = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
     assert overview.returncode == 0 and overview.stdout.startswith("usage: flowers ")
-    for subcommand in ("fit", "validate", "test", "predict", "export", "download"):
+    for subcommand in ("fit", "validate", "test", "predict", "export", "download", "serve", "sweep"):
         assert f"\n    {subcommand} " in overview.stdout, subcommand
     # Each start imports torch (seconds): the console script's subcommands are run by the test above.
     for subcommand in () if entry == "console script" else ("fit", "download"):

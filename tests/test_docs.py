@@ -68,12 +68,29 @@ def parse_error(words: list[str]) -> str | None:
                 serve_parser().parse_args(words[1:])
             elif words and words[0] == "download":
                 download_parser().parse_args(words[1:])
+            elif words and words[0] == "sweep":
+                return _sweep_error(words[1:])
             elif words[:1] in (["--help"], ["-h"]) or (len(words) > 1 and words[1] in ("--help", "-h")):
                 return None if not words or words[0] in SUBCOMMANDS or words[0].startswith("-") else "unknown"
             else:
                 cli_main([*words, "--print_config"])
         except SystemExit as exit:
             return None if exit.code in (0, None) else err.getvalue() or f"exit {exit.code}"
+    return None
+
+
+def _sweep_error(words: list[str]) -> str | None:
+    """What flowers sweep would refuse before its first trial: its options, its file, every fit setting in it."""
+    from flowers.errors import ConfigError
+    from flowers.sweep import fit_flags, parser
+    from flowers.sweep.check import check
+    from flowers.sweep.spec import read
+
+    args, rest = parser().parse_known_args(words)
+    try:
+        check(read(args.config, extra_args=fit_flags(rest)))
+    except ConfigError as error:
+        return str(error)
     return None
 
 
@@ -104,5 +121,6 @@ def test_a_misspelled_flag_is_refused(monkeypatch):
     assert parse_error(["fit", "--config", "configs/tutorial.yaml", "--trainer.max_epoks=3"]) is not None
     assert parse_error(["export", "--ckpt_path", "x.ckpt", "--formats", "onnx"]) is not None
     assert parse_error(["download", "--folder", "data"]) is not None
+    assert parse_error(["sweep", "--config", "configs/sweeps/speedrun.yaml", "--data.data_dirr", "x"]) is not None
     assert parse_error(["benchmarks/bench.py", "--variants", "a,c", "--repeat", "3"]) is not None  # a prefix
     assert parse_error(["export", "--ckpt_path", "x.ckpt", "--form", "onnx"]) is not None

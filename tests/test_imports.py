@@ -27,18 +27,19 @@ def test_each_module_imports_first_in_a_fresh_flowers():
 
 LIGHT = """
 import sys
-import flowers.__main__, flowers.data.download, flowers.serve, flowers.errors
+import flowers.__main__, flowers.data.download, flowers.serve, flowers.sweep, flowers.errors
 heavy = sorted({name.split(".")[0] for name in sys.modules} & {"torch", "lightning", "torchvision", "litserve"})
 print(heavy)
 """
 
 
 def test_the_commands_that_need_no_model_import_neither_torch_nor_lightning():
-    # `flowers --help`, `flowers download` and `flowers serve --help` then answer in a fraction of a second.
+    # `flowers --help`, `flowers download`, `flowers serve --help` and `flowers sweep --help` then answer in a
+    # fraction of a second.
     result = subprocess.run([sys.executable, "-c", LIGHT], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]"
-    for command in (["--help"], ["download", "--help"], ["serve", "--help"]):
+    for command in (["--help"], ["download", "--help"], ["serve", "--help"], ["sweep", "--help"]):
         shown = subprocess.run([sys.executable, "-m", "flowers", *command], cwd=ROOT, capture_output=True, text=True,
                                timeout=120)
         assert shown.returncode == 0 and "usage:" in shown.stdout, (command, shown.stderr[-2000:])

@@ -1,0 +1,51 @@
+"""The callback a sweep adds to each trial's fit: it reports the metric to the study and stops a pruned trial.
+
+Optuna's own Lightning callback raises TrialPruned inside fit; here every trial is its own process, where that would
+end the run as a crash, so this one asks the study and stops the run as early stopping does: the run folder,
+its checkpoints and curves stay ordinary, and the study records the epoch it was pruned at.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import optuna
+import torch
+
+from flowers.errors import ConfigError
+
+PRUNED_AT = "pruned_at_epoch"  # the user attribute a pruned trial carries
+
+
+class ReportToStudy(L.Callback):
+    def __init__(self, storage: str, study_name: str, trial_id: int, metric: str = "val/acc",
+                 pruner: dict | None = None) -> None:
+        self.storage, self.study_name, self.trial_id, self.metric = storage, study_name, trial_id, metric
+        self.pruner = pruner or {"name": "none"}
+        self._trial: optuna.Trial | None = None
+
+    def _trial_of_the_study(self) -> optuna.Trial:
+        if self._trial is None:
+            from flowers.sweep.study import make_pruner
+
+            # A study's pruner is not in its storage: each process that asks it must be given the sweep's.
+            study = optuna.load_study(study_name=self.study_name, storage=self.storage,
+                                      pruner=make_pruner(self.pruner))
+            self._trial = optuna.Trial(study, self.trial_id)
+        return self._trial
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        prune = False
+        if trainer.is_global_zero:
+            if self.metric not in trainer.callback_metrics:
+                raise ConfigError(f"the sweep's metric {self.metric} is not logged by this run; it logs "
+                                  f"{', '.join(sorted(trainer.callback_metrics))}.")
+            trial = self._trial_of_the_study()
+            trial.report(float(trainer.callback_metrics[self.metric]), step=trainer.current_epoch)
+            prune = trial.should_prune()
+            if prune:
+                trial.set_user_attr(PRUNED_AT, trainer.current_epoch)
+        # Every ddp process stops at the same epoch, as rank 0 decided.
+        if trainer.strategy.broadcast(torch.tensor(prune), src=0).item():
+            trainer.should_stop = True

@@ -1,0 +1,81 @@
+"""What a sweep leaves for its user in ``runs/sweeps/<name>/``: trials.csv, best.yaml and the plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+import warnings
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from flowers.files import atomic_write_text
+from flowers.sweep.report import PRUNED_AT
+from flowers.sweep.spec import Sweep
+
+PLOTS = ("optimization_history", "param_importances", "parallel_coordinate")
+
+
+def trials_csv(sweep: Sweep, study: optuna.Study) -> Path:
+    """One row per trial: its number, state, metric, each setting, duration, the epoch it was pruned at, run."""
+    flags = [param.flag for param in sweep.space]
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["trial", "state", sweep.metric, *flags, "duration_s", PRUNED_AT, "retry_of", "host", "run"])
+    for trial in study.get_trials(deepcopy=False):
+        duration = trial.duration.total_seconds() if trial.duration is not None else ""
+        reported = trial.intermediate_values
+        value = trial.value if trial.value is not None else reported[max(reported)] if reported else ""
+        writer.writerow([trial.number, trial.state.name, value, *(trial.params.get(flag, "") for flag in flags),
+                         f"{duration:.1f}" if duration != "" else "", trial.user_attrs.get(PRUNED_AT, ""),
+                         trial.system_attrs.get("failed_trial", ""), trial.user_attrs.get("host", ""),
+                         trial.user_attrs.get("run", "")])
+    path = sweep.folder / "trials.csv"
+    atomic_write_text(path, text.getvalue())
+    return path
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    return study.best_trial if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) else None
+
+
+def best_yaml(sweep: Sweep, study: optuna.Study, fit_config: str) -> Path:
+    """``best.yaml``: the whole fit config of the best trial, which ``flowers fit --config`` runs as it ran."""
+    trial = study.best_trial
+    header = (f"# The best trial of the sweep {sweep.name} ({sweep.file}): trial {trial.number}, {sweep.metric} "
+              f"{trial.value:.4f}.\n# Its run: {trial.user_attrs.get('run', '?')}. Train it again with\n"
+              f"#   flowers fit --config {sweep.folder / 'best.yaml'}\n")
+    path = sweep.folder / "best.yaml"
+    atomic_write_text(path, header + fit_config)
+    return path
+
+
+def plots(sweep: Sweep, study: optuna.Study) -> dict[str, str]:
+    """The plots as PNG beside trials.csv: ``{name: path}``, or ``{name: why it was not drawn}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: a terminal-only machine draws them too
+    import matplotlib.pyplot as plt
+    from optuna.importance import PedAnovaImportanceEvaluator
+    from optuna.visualization import matplotlib as draw
+
+    drawers = {"optimization_history": lambda: draw.plot_optimization_history(study),
+               # PED-ANOVA needs numpy alone; Optuna's default (fANOVA) needs scikit-learn
+               "param_importances": lambda: draw.plot_param_importances(study, evaluator=PedAnovaImportanceEvaluator()),
+               "parallel_coordinate": lambda: draw.plot_parallel_coordinate(study)}
+    drawn = {}
+    for name, drawer in drawers.items():
+        path = sweep.folder / f"{name}.png"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+                axes = drawer()
+            figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
+            figure.savefig(path, dpi=110, bbox_inches="tight")
+            plt.close(figure)
+            drawn[name] = str(path)
+        except Exception as error:  # too few finished trials, one setting only: say so, the other plots still come
+            drawn[name] = f"not drawn ({' '.join(str(error).split())[:200] or type(error).__name__})"
+            plt.close("all")
+    return drawn

@@ -1,0 +1,267 @@
+"""A sweep's Optuna study, and the workers that run its trials, each as its own ``flowers fit`` process.
+
+Workers share nothing but the study's storage: threads on one machine, and any number of machines running the
+same command against one database. A trial whose sweep died is failed and run again at the same settings: at
+once by a sweep on the same machine (its process is gone), else by Optuna's heartbeat once it goes silent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
+from optuna.trial import TrialState
+
+from flowers.errors import ConfigError
+from flowers.sweep.report import PRUNED_AT
+from flowers.sweep.spec import Sweep, _scalar
+
+MAX_RETRY = 2  # an interrupted trial runs again at most this often
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+HOST = socket.gethostname()
+IDENTITY = "sweep"  # the study's user attribute that every joining process must match
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+
+
+def storage_url(sweep: Sweep, given: str | None) -> str:
+    url = given or sweep.storage or f"sqlite:///{(sweep.folder / 'study.db').resolve()}"
+    # psycopg (3) by name: SQLAlchemy's default driver for postgresql:// differs between its versions.
+    return "postgresql+psycopg://" + url.removeprefix("postgresql://") if url.startswith("postgresql://") else url
+
+
+def shown(url: str) -> str:
+    """A storage URL fit to print: no password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy reads: say it as given, it names no password it understood
+        return url
+
+
+def storage(url: str, *, heartbeat_s: int | None = None) -> RDBStorage:
+    # SQLite: the trials' processes write beside the sweep's, so wait for the file's lock rather than fail.
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+    retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+    heartbeat = dict(heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
+                     heartbeat_stale_trial_callback=retry) if heartbeat_s else {}
+    try:
+        return RDBStorage(url, engine_kwargs=engine, **heartbeat)
+    except Exception as error:  # a driver that is missing, a server that does not answer, a URL that is not one
+        first = " ".join(str(error).strip().splitlines()[0].split()) if str(error).strip() else type(error).__name__
+        raise ConfigError(f"cannot open the study's storage {shown(url)}: {first[:300]}. Check the URL, that the "
+                          "database server runs and lets this machine in, and its driver (psycopg for "
+                          "postgresql://: pip install 'flowers[sweep]').") from None
+
+
+def open_study(sweep: Sweep, url: str, sampler: optuna.samplers.BaseSampler,
+               pruner: optuna.pruners.BasePruner) -> optuna.Study:
+    """The sweep's study: created on first use, joined by every later process, which must sweep the same space."""
+    study = optuna.create_study(storage=storage(url, heartbeat_s=sweep.heartbeat_s), study_name=sweep.name,
+                                direction=sweep.direction, sampler=sampler, pruner=pruner, load_if_exists=True)
+    identity = json.loads(json.dumps(sweep.identity()))
+    recorded = study.user_attrs.get(IDENTITY)
+    if recorded is None:
+        study.set_user_attr(IDENTITY, identity)
+        choices = {p.flag for p in sweep.space if p.choices}
+        for values in sweep.enqueue:
+            study.enqueue_trial({flag: _scalar(v) if flag in choices else v for flag, v in values.items()},
+                                skip_if_exists=True)
+    elif recorded != identity:
+        raise ConfigError(f"the study {sweep.name!r} in {shown(url)} sweeps another space or metric than "
+                          f"{sweep.file}: give this sweep another name: (or another storage), or sweep the same "
+                          "space.")
+    if study.direction.name.lower() != sweep.direction:
+        raise ConfigError(f"the study {sweep.name!r} in {shown(url)} was made to {study.direction.name.lower()} "
+                          f"its metric; {sweep.file} says {sweep.direction}.")
+    return study
+
+
+def make_sampler(settings: dict) -> optuna.samplers.BaseSampler:
+    options = {key: value for key, value in settings.items() if key != "name"}
+    if settings["name"] == "tpe":
+        # Several workers ask while others run: the constant liar keeps them from all trying one spot.
+        options.setdefault("constant_liar", True)
+    kind = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}[settings["name"]]
+    return _made(kind, options, "sampler")
+
+
+def make_pruner(settings: dict) -> optuna.pruners.BasePruner:
+    options = {key: value for key, value in settings.items() if key != "name"}
+    kind = {"median": optuna.pruners.MedianPruner, "hyperband": optuna.pruners.HyperbandPruner,
+            "none": optuna.pruners.NopPruner}[settings["name"]]
+    return _made(kind, options, "pruner")
+
+
+def _made(kind, options: dict, what: str):
+    try:
+        return kind(**options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"the sweep's {what} {kind.__name__} refuses {options}: {error}.") from None
+
+
+def _die_with_the_sweep() -> None:
+    # A trial's process ends when the thread that started it does, so a killed sweep leaves no orphan training.
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux); None when there is no such process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class Outcome:
+    trial: int
+    state: TrialState
+    returncode: int | None
+    log: Path
+
+
+class Workers:
+    """``count`` threads that ask the study for trials and run each as a ``flowers fit`` process until it holds
+    ``sweep.trials`` finished ones."""
+
+    def __init__(self, sweep: Sweep, study: optuna.Study, url: str, *, quiet: bool = False) -> None:
+        self.sweep, self.study, self.url, self.quiet = sweep, study, url, quiet
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._processes: dict[int, subprocess.Popen] = {}
+        self.refusal: str | None = None
+        self.outcomes: list[Outcome] = []
+
+    def run(self, count: int) -> None:
+        threads = [threading.Thread(target=self._work, name=f"sweep-worker-{k}", daemon=True) for k in range(count)]
+        for thread in threads:
+            thread.start()
+        try:
+            while any(thread.is_alive() for thread in threads):
+                for thread in threads:
+                    thread.join(timeout=0.5)
+        except KeyboardInterrupt:
+            self._stop.set()
+            for process in list(self._processes.values()):
+                process.kill()
+            for thread in threads:
+                thread.join()
+            raise
+        if self.refusal is not None:
+            raise ConfigError(self.refusal)
+
+    def _say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"sweep {self.sweep.name}: {text}", flush=True)
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:  # count and ask as one step, so this machine starts no trial beyond the target
+                self._recover()
+                started = self.study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                if len(started) >= self.sweep.trials:
+                    return
+                trial = self.study.ask()
+                values = {param.flag: param.suggest(trial) for param in self.sweep.space}
+                folder = self.sweep.folder / f"trial_{trial.number:03d}"
+                for key, value in (("host", HOST), ("pid", os.getpid()), ("pid_started", _started(os.getpid())),
+                                   ("run", str(folder))):
+                    trial.set_user_attr(key, value)
+            outcome = self._run(trial, values, folder)
+            self.outcomes.append(outcome)
+
+    def _recover(self) -> None:
+        """Fail the trials a dead sweep left running, and queue each again: this machine's at once, any
+        machine's once its heartbeat is older than the grace period."""
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        fail_stale_trials(self.study)
+        retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+        for trial in running:
+            attrs = trial.user_attrs
+            if attrs.get("host") != HOST or attrs.get("pid") == os.getpid():
+                continue
+            if _started(attrs.get("pid", -1)) != attrs.get("pid_started"):
+                try:
+                    self.study.tell(trial.number, state=TrialState.FAIL)
+                except (ValueError, RuntimeError):  # failed already, by its heartbeat or another sweep
+                    continue
+                retry(self.study, self.study.get_trials(deepcopy=False)[trial.number])
+        now = self.study.get_trials(deepcopy=False)
+        for trial in running:
+            if now[trial.number].state == TrialState.FAIL:
+                self._say(f"trial {trial.number} was interrupted (its sweep is gone): it runs again")
+
+    def _run(self, trial: optuna.Trial, values: dict, folder: Path) -> Outcome:
+        reporter = {"class_path": "flowers.sweep.report.ReportToStudy",
+                    "init_args": {"storage": self.url, "study_name": self.sweep.name,
+                                  "trial_id": trial._trial_id, "metric": self.sweep.metric,
+                                  "pruner": self.sweep.pruner}}
+        words = ["fit", *self.sweep.fit_words(values), *placement(self.sweep, trial.number),
+                 f"--trainer.callbacks+={json.dumps(reporter)}"]
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        log = folder.parent / f"{folder.name}.log"
+        settings = " ".join(f"{flag}={value}" for flag, value in trial.params.items())
+        self._say(f"trial {trial.number} starts: {settings}")
+        storage = self.study._storage
+        with open(log, "w") as out:
+            process = subprocess.Popen([sys.executable, "-m", "flowers", *words], stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, preexec_fn=_die_with_the_sweep)
+            self._processes[trial.number] = process
+            while True:
+                storage.record_heartbeat(trial._trial_id)
+                try:
+                    process.wait(timeout=self.sweep.heartbeat_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    if self._stop.is_set():
+                        process.kill()
+            del self._processes[trial.number]
+        return self._tell(trial, process.returncode, log)
+
+    def _tell(self, trial: optuna.Trial, returncode: int, log: Path) -> Outcome:
+        frozen = self.study.get_trials(deepcopy=False)[trial.number]
+        reported = frozen.intermediate_values
+        if self._stop.is_set() or returncode < 0:  # killed: not the settings' fault, so run them again
+            self.study.tell(trial, state=TrialState.FAIL)
+            RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)(self.study, self.study.get_trials()[trial.number])
+            self._say(f"trial {trial.number} was interrupted (signal {-returncode}): it runs again")
+            return Outcome(trial.number, TrialState.FAIL, returncode, log)
+        if returncode == 0 and reported:
+            if PRUNED_AT in frozen.user_attrs:
+                self.study.tell(trial, state=TrialState.PRUNED)
+                self._say(f"trial {trial.number} pruned after epoch {frozen.user_attrs[PRUNED_AT]}")
+                return Outcome(trial.number, TrialState.PRUNED, returncode, log)
+            value = reported[max(reported)]
+            told = self.study.tell(trial, value)  # a NaN is told, and recorded as a failure
+            self._say(f"trial {trial.number}: {self.sweep.metric} {value:.4f}")
+            return Outcome(trial.number, told.state, returncode, log)
+        self.study.tell(trial, state=TrialState.FAIL)
+        why = _last_line(log) if returncode else f"it logged no {self.sweep.metric}"
+        self._say(f"trial {trial.number} failed (exit {returncode}): {why} (log: {log})")
+        if returncode == 2 or not returncode:  # a setting fit refuses, or no metric: every trial would fail so
+            self.refusal = f"trial {trial.number} failed: {why}. Its log: {log}"
+            self._stop.set()
+        return Outcome(trial.number, TrialState.FAIL, returncode, log)
+
+
+def placement(sweep: Sweep, number: int) -> list[str]:
+    """The flags that put a trial's run in ``runs/sweeps/<name>/trial_NNN/``."""
+    return [f"--trainer.logger.init_args.save_dir={sweep.folder.parent}",
+            f"--trainer.logger.init_args.name={sweep.name}", f"--trainer.logger.init_args.version=trial_{number:03d}"]
+
+
+def _last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:500] if lines else "(it printed nothing)"
