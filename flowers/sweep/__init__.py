@@ -56,22 +56,24 @@ def _sweep(args, rest: list[str]) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers is at least 1, not {args.workers}")
     try:
-        import optuna  # noqa: F401
+        import optuna
     except ImportError:
         raise ConfigError("flowers sweep runs on Optuna, which is not installed: pip install "
                           "'flowers[sweep]'") from None
+    # Here, not above: `flowers sweep --help` loads neither Optuna nor torch.
     from flowers.sweep import results, spec, study
+    from flowers.sweep.check import check, fit_config
+    from flowers.sweep.choices import make_pruner, make_sampler
 
     # The heartbeat is Optuna's, driven here around ask and tell rather than inside Study.optimize: a trial is a
     # process this command waits on, not a function it calls.
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # this command says what happens, in its own lines
-    from flowers.sweep.check import check, fit_config
 
     sweep = spec.read(args.config, extra_args=fit_flags(rest))
-    check(sweep)  # before anything is created: a flag fit refuses must not cost a trial
-    sampler, pruner = study.make_sampler(sweep.sampler), study.make_pruner(sweep.pruner)
+    check(sweep)  # before anything is created: a setting fit refuses must not cost a trial
+    sampler, pruner = make_sampler(sweep.sampler), make_pruner(sweep.pruner)
     url = study.storage_url(sweep, args.storage)
     if url.startswith("sqlite:///") and not args.storage and not sweep.storage:
         sweep.folder.mkdir(parents=True, exist_ok=True)
@@ -79,38 +81,11 @@ def _sweep(args, rest: list[str]) -> int:
     sweep.folder.mkdir(parents=True, exist_ok=True)
     print(f"sweep {sweep.name}: {sweep.trials} trials of {', '.join(p.flag for p in sweep.space)}, "
           f"{args.workers} at a time, study in {study.shown(url)}", flush=True)
-    workers = study.Workers(sweep, opened, url)
     try:
-        workers.run(args.workers)
+        study.Workers(sweep, opened, url).run(args.workers)
     except KeyboardInterrupt:
-        print(f"sweep {sweep.name}: interrupted; the same command continues it", file=sys.stderr)
         results.trials_csv(sweep, opened)
+        print(f"sweep {sweep.name}: interrupted; the same command continues it", file=sys.stderr)
         return 130
-    _report(sweep, opened, url, results, fit_config)
+    print(results.summary(sweep, opened, study.shown(url), fit_config), flush=True)
     return 0
-
-
-def _report(sweep, opened, url: str, results, fit_config) -> None:
-    from optuna.trial import TrialState
-
-    from flowers.sweep.study import shown
-
-    states = [trial.state for trial in opened.get_trials(deepcopy=False)]
-    counts = ", ".join(f"{states.count(s)} {s.name.lower()}" for s in TrialState if states.count(s))
-    lines = [f"sweep {sweep.name}: {len(states)} trials ({counts})", f"  {results.trials_csv(sweep, opened)}"]
-    best = results.best_trial(opened)
-    if best is not None:
-        values = {param.flag: param.value_of(best.params[param.flag]) for param in sweep.space}
-        path = results.best_yaml(sweep, opened, fit_config(sweep, values))
-        lines[1:1] = [f"best: trial {best.number}, {sweep.metric} {best.value:.4f}: " +
-                      " ".join(f"--{flag}={spec_flag(value)}" for flag, value in values.items()),
-                      f"  {path}   flowers fit --config {path}"]
-    lines += [f"  {name}: {where}" for name, where in results.plots(sweep, opened).items()]
-    lines.append(f"Watch a study live: optuna-dashboard {shown(url)}")
-    print("\n".join(lines), flush=True)
-
-
-def spec_flag(value) -> str:
-    from flowers.sweep.spec import as_flag
-
-    return as_flag(value)

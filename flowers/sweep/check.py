@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowers.cli import parse_fit
 from flowers.errors import ConfigError
 from flowers.sweep.spec import Sweep, as_flag
 from flowers.sweep.study import placement
@@ -12,8 +13,6 @@ from flowers.sweep.study import placement
 def check(sweep: Sweep) -> None:
     """Every fit config and flag of the sweep, and every setting at both ends of its range (each of its choices),
     as fit parses them: what fit would refuse is a ConfigError that names it."""
-    from flowers.cli import parse_fit
-
     base = sweep.fit_words({})
     try:
         parse_fit(base + placement(sweep, 0))
@@ -34,8 +33,6 @@ def check(sweep: Sweep) -> None:
 
 def fit_config(sweep: Sweep, values: dict[str, Any]) -> str:
     """The whole fit config, as YAML, of a trial with these values: what `flowers fit --config` runs as it ran."""
-    from flowers.cli import parse_fit
-
     parser, config = parse_fit(sweep.fit_words(values))
     config.pop("config", None)  # the files it came from: their settings are all written out here
     return parser.dump(config)

@@ -12,8 +12,8 @@ import optuna
 import torch
 
 from flowers.errors import ConfigError
-
-PRUNED_AT = "pruned_at_epoch"  # the user attribute a pruned trial carries
+from flowers.sweep.choices import make_pruner
+from flowers.sweep.spec import PRUNED_AT
 
 
 class ReportToStudy(L.Callback):
@@ -25,8 +25,6 @@ class ReportToStudy(L.Callback):
 
     def _trial_of_the_study(self) -> optuna.Trial:
         if self._trial is None:
-            from flowers.sweep.study import make_pruner
-
             # A study's pruner is not in its storage: each process that asks it must be given the sweep's.
             study = optuna.load_study(study_name=self.study_name, storage=self.storage,
                                       pruner=make_pruner(self.pruner))

@@ -11,8 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 from flowers.files import atomic_write_text
-from flowers.sweep.report import PRUNED_AT
-from flowers.sweep.spec import Sweep
+from flowers.sweep.spec import PRUNED_AT, Sweep, as_flag
 
 PLOTS = ("optimization_history", "param_importances", "parallel_coordinate")
 
@@ -79,3 +78,20 @@ def plots(sweep: Sweep, study: optuna.Study) -> dict[str, str]:
             drawn[name] = f"not drawn ({' '.join(str(error).split())[:200] or type(error).__name__})"
             plt.close("all")
     return drawn
+
+
+def summary(sweep: Sweep, study: optuna.Study, storage_shown: str, fit_config) -> str:
+    """Writes trials.csv, best.yaml and the plots; the lines that say where they are and which trial won."""
+    states = [trial.state for trial in study.get_trials(deepcopy=False)]
+    counts = ", ".join(f"{states.count(s)} {s.name.lower()}" for s in TrialState if states.count(s))
+    lines = [f"sweep {sweep.name}: {len(states)} trials ({counts})", f"  {trials_csv(sweep, study)}"]
+    best = best_trial(study)
+    if best is not None:
+        values = {param.flag: param.value_of(best.params[param.flag]) for param in sweep.space}
+        path = best_yaml(sweep, study, fit_config(sweep, values))
+        settings = " ".join(f"--{flag}={as_flag(value)}" for flag, value in values.items())
+        lines[1:1] = [f"best: trial {best.number}, {sweep.metric} {best.value:.4f}: {settings}",
+                      f"  {path}   flowers fit --config {path}"]
+    lines += [f"  {name}: {where}" for name, where in plots(sweep, study).items()]
+    lines.append(f"Watch a study live: optuna-dashboard {storage_shown}")
+    return "\n".join(lines)

@@ -32,6 +32,7 @@ from flowers.errors import ConfigError
 KEYS = {"fit", "args", "space", "metric", "direction", "trials", "sampler", "pruner", "storage", "enqueue",
         "heartbeat_s", "name"}
 SAMPLERS = ("tpe", "random")
+PRUNED_AT = "pruned_at_epoch"  # the user attribute of a trial its pruner stopped
 PRUNERS = ("median", "hyperband", "none")
 
 
@@ -54,7 +55,7 @@ class Param:
         """The value ``trial`` takes for this setting (Optuna's own for a trial enqueued or retried)."""
         if self.choices:
             # Optuna stores choices as scalars: a list such as a crop scale travels as its JSON text.
-            return self.value_of(trial.suggest_categorical(self.flag, [_scalar(c) for c in self.choices]))
+            return self.value_of(trial.suggest_categorical(self.flag, [stored_choice(c) for c in self.choices]))
         if self.is_int:
             return trial.suggest_int(self.flag, self.low, self.high, step=self.step or 1, log=self.log)
         return trial.suggest_float(self.flag, float(self.low), float(self.high), step=self.step, log=self.log)
@@ -62,7 +63,7 @@ class Param:
     def value_of(self, stored: Any) -> Any:
         """The setting's value from what Optuna stored for it."""
         if self.choices:
-            return self.choices[[_scalar(choice) for choice in self.choices].index(stored)]
+            return self.choices[[stored_choice(choice) for choice in self.choices].index(stored)]
         return stored
 
     def corners(self) -> list[Any]:
@@ -109,7 +110,7 @@ def as_flag(value: Any) -> str:
     return str(value)
 
 
-def _scalar(choice: Any) -> Any:
+def stored_choice(choice: Any) -> Any:
     return choice if choice is None or isinstance(choice, str | int | float | bool) else json.dumps(choice)
 
 

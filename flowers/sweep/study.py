@@ -21,10 +21,10 @@ from pathlib import Path
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
+from sqlalchemy.engine import make_url
 
 from flowers.errors import ConfigError
-from flowers.sweep.report import PRUNED_AT
-from flowers.sweep.spec import Sweep, _scalar
+from flowers.sweep.spec import PRUNED_AT, Sweep, stored_choice
 
 MAX_RETRY = 2  # an interrupted trial runs again at most this often
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -41,8 +41,6 @@ def storage_url(sweep: Sweep, given: str | None) -> str:
 
 def shown(url: str) -> str:
     """A storage URL fit to print: no password."""
-    from sqlalchemy.engine import make_url
-
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # not a URL SQLAlchemy reads: say it as given, it names no password it understood
@@ -75,7 +73,7 @@ def open_study(sweep: Sweep, url: str, sampler: optuna.samplers.BaseSampler,
         study.set_user_attr(IDENTITY, identity)
         choices = {p.flag for p in sweep.space if p.choices}
         for values in sweep.enqueue:
-            study.enqueue_trial({flag: _scalar(v) if flag in choices else v for flag, v in values.items()},
+            study.enqueue_trial({flag: stored_choice(v) if flag in choices else v for flag, v in values.items()},
                                 skip_if_exists=True)
     elif recorded != identity:
         raise ConfigError(f"the study {sweep.name!r} in {shown(url)} sweeps another space or metric than "
@@ -85,29 +83,6 @@ def open_study(sweep: Sweep, url: str, sampler: optuna.samplers.BaseSampler,
         raise ConfigError(f"the study {sweep.name!r} in {shown(url)} was made to {study.direction.name.lower()} "
                           f"its metric; {sweep.file} says {sweep.direction}.")
     return study
-
-
-def make_sampler(settings: dict) -> optuna.samplers.BaseSampler:
-    options = {key: value for key, value in settings.items() if key != "name"}
-    if settings["name"] == "tpe":
-        # Several workers ask while others run: the constant liar keeps them from all trying one spot.
-        options.setdefault("constant_liar", True)
-    kind = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}[settings["name"]]
-    return _made(kind, options, "sampler")
-
-
-def make_pruner(settings: dict) -> optuna.pruners.BasePruner:
-    options = {key: value for key, value in settings.items() if key != "name"}
-    kind = {"median": optuna.pruners.MedianPruner, "hyperband": optuna.pruners.HyperbandPruner,
-            "none": optuna.pruners.NopPruner}[settings["name"]]
-    return _made(kind, options, "pruner")
-
-
-def _made(kind, options: dict, what: str):
-    try:
-        return kind(**options)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"the sweep's {what} {kind.__name__} refuses {options}: {error}.") from None
 
 
 def _die_with_the_sweep() -> None:
