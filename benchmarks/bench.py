@@ -1,10 +1,6 @@
 """``python benchmarks/bench.py``: how fast one training epoch is, plain PyTorch vs Lightning vs the fast path.
 
-Variants, on the same images, split, network, optimizer (Adam 2e-4), batch size and threads: ``a`` the tutorial's
-plain loop (PIL loader, fp32); ``b`` ``Trainer.fit`` with the tutorial's settings; ``b_cli`` b plus the logger and
-callbacks of ``flowers fit``; ``c`` ``fit`` with configs/fast.yaml; ``--ablate`` adds c with settings changed.
-``--tta``: time to accuracy of whole processes instead. docs/benchmarks.md describes the flags and figures;
-``--parallel``, ``--anatomy`` and ``--graph-floor`` are the GPU figures of docs/benchmarks-gpu.md.
+docs/benchmarks.md describes the variants, flags and figures; docs/benchmarks-gpu.md the GPU ones.
 """
 
 from __future__ import annotations
@@ -66,7 +62,6 @@ def network(args, num_classes: int) -> nn.Module:
     return AlexNet(num_classes)
 
 
-# -- the variants --------------------------------------------------------------------------------
 def fit_cli(args, device: torch.device, variant: str, workdir: Path):
     """``flowers fit``'s model, datamodule and settings for a variant, nothing run. a and b share b's loader."""
     if variant.startswith("c"):  # the config first: the flags after it win over it
@@ -82,7 +77,6 @@ def fit_cli(args, device: torch.device, variant: str, workdir: Path):
 
 
 def summary(history: list[dict], total_s: float, val_s: float) -> dict:
-    """A run's figures from its epochs' (train images and seconds), its whole span and its validations' share."""
     return {"train_images": sum(h["train_images"] for h in history), "train_s": total_s - val_s,
             "val_s": val_s / len(history), "epoch_s": total_s / len(history), "val_acc": history[-1]["val_acc"],
             "history": history}
@@ -156,7 +150,6 @@ class _EpochTimer(L.Callback):
 
 
 def fit_parts(args, device: torch.device, variant: str, workdir: Path, **trainer_kwargs):
-    """The variant's model and datamodule, and a Trainer with its precision (plus b_cli's logger and callbacks)."""
     cli = fit_cli(args, device, variant, workdir)
     model, datamodule = cli.model, cli.datamodule
     if args.network == "free":
@@ -189,7 +182,6 @@ def run_fit(args, device: torch.device, variant: str, workdir: Path) -> dict:
             "used": used}
 
 
-# -- floor, loaders alone, anatomy -----------------------------------------------------------------
 def floor_key(used: dict) -> str:
     """The floor with a run's own precision, memory format and optimizer step, e.g. ``bf16_channels_last_fused``."""
     name = "bf16" if str(used["precision"]).startswith("bf16") else "fp32"
@@ -234,8 +226,7 @@ def compute_floor(args, device: torch.device, num_classes: int, name: str) -> fl
 
 
 def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]:
-    """Train images/s of a's PIL loader with the copy to the device, and of c's data path as ``fit`` runs it there
-    (on CUDA the cache held on the GPU when it fits), with no model: one epoch after an untimed first batch."""
+    """Train images/s of a's PIL loader (with the copy to the device) and of c's data path as ``fit`` runs it."""
     results = {}
     for name, variant in (("pil", "a"), ("cache", "c")):
         cli = fit_cli(args, device, variant, workdir)
@@ -253,10 +244,8 @@ def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]
                 _sync(device)
                 start, seen = time.perf_counter(), 0
             batch = next(batches)
-            if name == "pil":
-                batch = [tensor.to(device) for tensor in batch]
-            else:
-                batch = datamodule.on_after_batch_transfer(datamodule.transfer_batch_to_device(batch, device, 0), 0)
+            batch = ([tensor.to(device) for tensor in batch] if name == "pil" else
+                     datamodule.on_after_batch_transfer(datamodule.transfer_batch_to_device(batch, device, 0), 0))
             seen += len(batch[1])
         _sync(device)
         results[name] = seen / (time.perf_counter() - start)
@@ -267,8 +256,7 @@ def loader_alone(args, device: torch.device, workdir: Path) -> tuple[dict, dict]
 
 
 def anatomy(args, device: torch.device, workdir: Path) -> dict:
-    """ms per training step in each phase, Lightning's simple profiler, after ``--warmup-batches`` untimed steps,
-    no validation. What the host spends while a GPU runs behind it; under CUDA_LAUNCH_BLOCKING=1, with its GPU work."""
+    """ms per training step in each phase (Lightning's simple profiler) after ``--warmup-batches`` untimed steps."""
     out = {}
     for variant in (v for v in args.variants if v != "a"):
         profiler = SimpleProfiler()
@@ -285,7 +273,6 @@ def anatomy(args, device: torch.device, workdir: Path) -> dict:
     return out
 
 
-# -- time to accuracy (--tta) ---------------------------------------------------------------------
 def split_folder(data_dir: Path, into: Path) -> Path:
     """``data_dir`` itself when it has ``train/`` and ``val/``, else its flowers split as folders of links."""
     if is_split_layout(data_dir):
@@ -305,10 +292,8 @@ def loop_process(data_dir: Path, seed: int, extra: list[str]) -> dict:
     start = time.time()
     command = [sys.executable, str(ROOT / "benchmarks" / "tutorial_loop.py"), "--data-dir", str(data_dir),
                "--seed", str(seed), *extra]
-    epochs = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
-        for line in process.stdout:  # a line is printed and flushed at each epoch's end
-            epochs.append({**json.loads(line), "time_s": time.time() - start})
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:  # a line flushed at each epoch's end
+        epochs = [{**json.loads(line), "time_s": time.time() - start} for line in process.stdout]
     if process.returncode:
         raise RuntimeError(f"{shlex.join(command)} exited with {process.returncode}")
     return {"epochs": epochs, "total_s": time.time() - start}
@@ -355,11 +340,9 @@ def tta(args: argparse.Namespace) -> dict:
         for repeat in range(args.repeats):
             seed = args.seed + repeat
             for n, name in enumerate(recipes if repeat % 2 == 0 else list(recipes)[::-1]):  # so drift favours none
-                if name == LOOP:
-                    run = loop_process(data_dir, seed, shlex.split(args.loop_args))
-                else:
-                    recipe, changes = names[name]
-                    run = fit_process(recipe, data_dir, seed, Path(tmp) / f"runs-{seed}-{n}", [*fit_extra, *changes])
+                recipe, changes = names.get(name, ([], []))
+                run = (loop_process(data_dir, seed, shlex.split(args.loop_args)) if name == LOOP else
+                       fit_process(recipe, data_dir, seed, Path(tmp) / f"runs-{seed}-{n}", [*fit_extra, *changes]))
                 recipes[name].append({"seed": seed, **run})
                 print(f"# seed {seed} {name}: final val acc {run['epochs'][-1]['val_acc']:.3f} in "
                       f"{run['total_s']:.1f} s", file=sys.stderr, flush=True)
@@ -373,9 +356,7 @@ def tta(args: argparse.Namespace) -> dict:
     return {"config": config, "warm_up_s": warm_up_s, "recipes": recipes}
 
 
-# -- the tables -----------------------------------------------------------------------------------
 def grid(rows: list[list[str]], widths: list[int]) -> list[str]:
-    """Rows of cells in columns of these widths: the first column left-aligned, the others right-aligned."""
     return [" ".join(f"{cell:{'<' if i == 0 else '>'}{width}}" for i, (cell, width) in
                      enumerate(zip(row, widths, strict=False))).rstrip() for row in rows]
 
@@ -474,7 +455,6 @@ def tta_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-# -- the command ----------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
@@ -534,9 +514,8 @@ def in_parallel(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="benchmark-flowers-") as tmp:
         def one(r: int) -> dict:
             command = [sys.executable, __file__, *args.argv, "--parallel", "1", "--accuracy-only", "--repeats", "1",
-                       "--seed", str(args.seed + r), "--json", f"{tmp}/{r}.json",
-                       "--threads", str(args.threads or share),
-                       *([] if args.num_workers is not None else ["--num-workers", share])]
+                       f"--seed={args.seed + r}", f"--json={tmp}/{r}.json", f"--threads={args.threads or share}",
+                       *([] if args.num_workers is not None else [f"--num-workers={share}"])]
             if code := subprocess.run(command, stdout=subprocess.DEVNULL).returncode:
                 raise SystemExit(f"bench.py: seed {args.seed + r} failed (exit {code}): {shlex.join(command)}")
             return json.loads(Path(f"{tmp}/{r}.json").read_text())
@@ -599,16 +578,15 @@ def bench(args: argparse.Namespace) -> dict:
               "image_size": args.image_size, "repeats": args.repeats, "limit_batches": args.limit_batches,
               "epochs": args.epochs, "seed": args.seed, "parallel": 1, "data_dir": str(args.data_dir),
               "train_images": len(data.train_set), "val_images": len(data.val_set), "num_classes": data.num_classes,
-              "fast_precision": fast.config["trainer"]["precision"],
+              "fast_precision": fast.config["trainer"]["precision"], "network": args.network, "loader": detail,
               "ablations": {name: " ".join(words) for name, words in args.ablations.items()},
-              "network": args.network, "accuracy_only": args.accuracy_only, "loader": detail,
+              "accuracy_only": args.accuracy_only,
               "torch": torch.__version__, "lightning": L.__version__, "cpu_count": os.cpu_count()}
     return finish({"config": config, "cache_build_s": cache_build_s, "floor_runs": floor_runs, "loader": loader,
                    "variants": {variant: {"runs": results} for variant, results in runs.items()}})
 
 
 def finish(report: dict) -> dict:
-    """The medians and ratios of the table and --json, from the runs."""
     report["floor"] = {name: statistics.median(values) for name, values in report["floor_runs"].items()}
     for result in report["variants"].values():
         runs = result["runs"]

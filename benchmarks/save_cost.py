@@ -1,8 +1,6 @@
 """``python benchmarks/save_cost.py``: what a mid-epoch ``last.ckpt`` costs, in bytes and seconds.
 
-A few batches of configs/tutorial.yaml on the synthetic flowers (the size depends not on the data), then
-``trainer.save_checkpoint`` of ``last.ckpt`` through the atomic writer timed ``--repeats`` times, on ``--dir``'s disk:
-its size, the median time (min–max) and that time's share of ``--checkpoint.train_time_interval``'s default.
+The size depends on the recipe, not on the data: synthetic flowers will do. docs/reliability.md gives the figures.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """``python benchmarks/setup_scale.py --sizes 10000,30000,100000``: how data setup grows with the folder.
 
-Per size, a synthetic flower folder drawn once into ``--work``, then ``fit``'s data setup with the cache (listing,
-image check, split, cache build: each timed) twice, each in a fresh process whose peak resident memory is reported:
-the second run finds the record of checked files and the cache, as a user's next run does.
+docs/benchmarks.md ("Data setup at scale") describes the method and gives the figures.
 """
 
 from __future__ import annotations

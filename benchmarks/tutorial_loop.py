@@ -1,9 +1,7 @@
 """``python benchmarks/tutorial_loop.py --data-dir DIR``: the tutorial's single-device training script, as a
-whole process, the reference that time-to-accuracy figures are compared with.
+whole process, less its bugs (the running loss is averaged over the epoch): time to accuracy's reference.
 
-As the tutorial: ``ImageFolder`` on ``DIR/train`` and ``DIR/val``, its transforms, batch 32, ``min(cpu_count, batch,
-8)`` workers, Adam at 2e-4, less its bugs (the running loss is averaged over the epoch). Each epoch prints a JSON line:
-epoch, val accuracy, mean train loss and the seconds since the process started (imports included).
+Each epoch prints a JSON line: epoch, val accuracy, mean train loss, seconds since the process started.
 """
 
 from __future__ import annotations

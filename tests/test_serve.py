@@ -27,6 +27,7 @@ from tests.helpers.serving import (
     assert_one_line_error,
     bilevel_png,
     httpx,
+    jpeg_photo,
     photo_files,
     post_raw,
     stop_all,
@@ -237,6 +238,31 @@ def test_a_torchscript_export_predicts_as_its_checkpoint(ckpt, photos, reference
     for path in photos:
         probs = predictor.probabilities(predictor.tensor(decode_upload(path.read_bytes(), 64))[None])[0]
         assert_same_answer(predictor.top(probs, TOP_K), reference[path])
+
+
+def test_a_large_jpeg_decodes_reduced_and_keeps_predicts_answer(ckpt, tmp_path):
+    from flowers.data.synthetic import draw_flower
+    from flowers.serve.model import Predictor, describe
+    from flowers.serve.uploads import decode_upload, open_upload
+
+    rng, paths = np.random.default_rng(11), []
+    for label in range(5):  # 1,920 px a side: libjpeg decodes it at 1/8, still over twice the model's 64 px
+        paths.append(tmp_path / f"large-{label}.jpg")
+        draw_flower(label, rng, size=240).resize((1920, 1920), Image.Resampling.LANCZOS).save(paths[-1], quality=92)
+    rows = predict(load(ckpt)[0], paths, top_k=5, image_size=64)  # predict decodes the whole photo
+    predictor = Predictor(describe(ckpt))
+    for path, row in zip(paths, rows, strict=True):
+        data = path.read_bytes()
+        assert open_upload(data, 64)[0].size == (240, 240)
+        square = decode_upload(data, 64)
+        whole = np.asarray(load_rgb(str(path)).resize((64, 64), Image.Resampling.BILINEAR))
+        assert 0 < np.abs(square.astype(int) - whole).max() <= 4  # reduced, yet within a few levels of each pixel
+        answer = predictor.top(predictor.probabilities(predictor.tensor(square)[None])[0], 5)
+        assert answer["prediction"] == row["prediction"]
+        assert max(abs(t["probability"] - row["probs"][t["class"]]) for t in answer["top"]) < 0.002
+    small = jpeg_photo(120, 90)  # its shorter side under twice the model's: decoded whole, exactly predict's pixels
+    expected = np.asarray(load_rgb_bytes(small).resize((64, 64), Image.Resampling.BILINEAR))
+    assert open_upload(small, 64)[0].size == (120, 90) and np.array_equal(decode_upload(small, 64), expected)
 
 
 def test_load_rgb_bytes_gives_the_pixels_load_rgb_gives(photos, tmp_path):

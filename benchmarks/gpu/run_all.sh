@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check (the tests marked gpu) and every GPU figure, in calls of at most 5 minutes (CI has no GPU):
 #   DATA=path/to/flower_photos RESULTS=out/ STEPS="env checks throughput" benchmarks/gpu/run_all.sh
-#   DATA=path/to/flower_photos RESULTS=out/ STEPS="env accuracy anatomy ceiling" benchmarks/gpu/run_all.sh
-#   DATA=path/to/flower_photos RESULTS=out/ STEPS="env tta" benchmarks/gpu/run_all.sh
 #   benchmarks/gpu/run_all.sh --smoke     # every step on the CPU, tiny data, a few batches (about 2 minutes)
-# Steps (STEPS, default: all): env checks throughput accuracy anatomy ceiling tta, run in this order, each under its
-# own time limit (<STEP>_S sets one, e.g. ACCURACY_S=300), writing $RESULTS/<step>.txt (its table) and <step>.log; the
-# exit status is 1 when a step failed or ran out of time. docs/benchmarks-gpu.md describes each step and the settings.
+# STEPS (default: all): env checks throughput accuracy anatomy ceiling tta. docs/benchmarks-gpu.md describes the
+# three calls that fit 5 minutes each, every step, its time limit (<STEP>_S), its results and the exit status.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
