@@ -70,6 +70,7 @@ def run_sweep(args: list[str], capsys) -> tuple[int, str]:
     ({"fit": ["nowhere.yaml"]}, "fit names nowhere.yaml, which is not a file"),
     ({"epochs": 3}, "unknown entries 'epochs'"),
     ({"storage": "postgresql://flowers@127.0.0.1:9/none"}, "cannot open the study's storage"),
+    ({"enqueue": [{"data.crop_scale": [0.1, 1.0]}]}, "which is not one of its choices"),
 ])
 def test_a_bad_sweep_file_is_one_line_exit_2_and_creates_nothing(in_tmp, tiny_synthetic, capsys, change, said):
     path = write_sweep(in_tmp, tiny_synthetic, **change)
@@ -103,6 +104,23 @@ def test_a_sweep_file_reads_into_its_settings(tmp_path):
     assert crop.corners() == [[0.5, 1.0], [0.8, 1.0]]
     assert sweep.args[-1] == "--seed_everything=7" and sweep.folder == Path("runs/sweeps/tiny")
     assert sweep.fit_words({"data.crop_scale": [0.5, 1.0]})[-1] == "--data.crop_scale=[0.5, 1.0]"
+
+
+def test_a_study_joined_with_another_space_is_refused(tmp_path):
+    from flowers.errors import ConfigError
+    from flowers.sweep.choices import make_pruner, make_sampler
+    from flowers.sweep.spec import read
+    from flowers.sweep.study import open_study
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    first = read(write_sweep(tmp_path, tmp_path, enqueue=[{LR: 0.001}]))
+    study, _ = open_study(first, url, make_sampler(first.sampler), make_pruner(first.pruner))
+    assert [t.system_attrs["fixed_params"] for t in study.get_trials()] == [{LR: 0.001}]  # enqueued by its maker
+    open_study(first, url, make_sampler(first.sampler), make_pruner(first.pruner))
+    assert len(study.get_trials()) == 1
+    other = read(write_sweep(tmp_path, tmp_path, direction="maximize"))
+    with pytest.raises(ConfigError, match="searches another space, metric or direction"):
+        open_study(other, url, make_sampler(other.sampler), make_pruner(other.pruner))
 
 
 # --- real sweeps ------------------------------------------------------------------------------------------

@@ -77,12 +77,12 @@ def _sweep(args, rest: list[str]) -> int:
     url = study.storage_url(sweep, args.storage)
     if url.startswith("sqlite:///") and not args.storage and not sweep.storage:
         sweep.folder.mkdir(parents=True, exist_ok=True)
-    opened = study.open_study(sweep, url, sampler, pruner)
+    opened, database = study.open_study(sweep, url, sampler, pruner)
     sweep.folder.mkdir(parents=True, exist_ok=True)
     print(f"sweep {sweep.name}: {sweep.trials} trials of {', '.join(p.flag for p in sweep.space)}, "
           f"{args.workers} at a time, study in {study.shown(url)}", flush=True)
     try:
-        study.Workers(sweep, opened, url).run(args.workers)
+        study.Workers(sweep, opened, database, url).run(args.workers)
     except KeyboardInterrupt:
         results.trials_csv(sweep, opened)
         print(f"sweep {sweep.name}: interrupted; the same command continues it", file=sys.stderr)

@@ -1,20 +1,5 @@
-"""A sweep file, read and checked: which fit configs each trial starts from, the search space, the goal.
-
-::
-
-    fit: [configs/speedrun.yaml]          # the fit configs every trial starts from, in order
-    args: [--budget=0:03:00]              # fit flags every trial takes
-    space:                                # dotted fit flags: a range, or choices
-      model.optimizer.init_args.lr: {low: 0.0002, high: 0.002, log: true}
-      data.batch_size: {low: 32, high: 96, step: 32}
-      data.crop_scale: {choices: [[0.35, 1.0], [0.5, 1.0]]}
-    metric: val/acc                       # logged at every validation; maximize unless direction says
-    direction: maximize
-    trials: 24
-    sampler: tpe                          # or {name: tpe, seed: 0, ...}: tpe, random
-    pruner: median                        # or {name: median, n_warmup_steps: 3, ...}: median, hyperband, none
-    storage: null                         # a database URL shared by several machines; else study.db in the folder
-    enqueue: [{model.optimizer.init_args.lr: 0.0006}]   # trials to run first, at these settings
+"""A sweep file, read and checked: the fit configs each trial starts from, the search space, the metric, the study.
+docs/sweeps.md describes each entry; flowers.sweep.check checks the fit settings with fit's own parser.
 """
 
 from __future__ import annotations
@@ -32,8 +17,8 @@ from flowers.errors import ConfigError
 KEYS = {"fit", "args", "space", "metric", "direction", "trials", "sampler", "pruner", "storage", "enqueue",
         "heartbeat_s", "name"}
 SAMPLERS = ("tpe", "random")
-PRUNED_AT = "pruned_at_epoch"  # the user attribute of a trial its pruner stopped
 PRUNERS = ("median", "hyperband", "none")
+PRUNED_AT = "pruned_at_epoch"  # the user attribute of a trial its pruner stopped
 
 
 @dataclass(frozen=True)
@@ -235,8 +220,11 @@ def _enqueue(raw, space: tuple[Param, ...], where: str) -> tuple[dict, ...]:
         return ()
     if not isinstance(raw, list) or not all(isinstance(entry, dict) for entry in raw):
         raise ConfigError(f"{where} enqueue is a list of mappings from space flags to values.")
-    flags = {p.flag for p in space}
+    params = {p.flag: p for p in space}
     for entry in raw:
-        if unknown := sorted(set(entry) - flags):
+        if unknown := sorted(set(entry) - set(params)):
             raise ConfigError(f"{where} enqueue sets {', '.join(unknown)}, which the space does not name.")
+        for flag, value in entry.items():
+            if params[flag].choices and value not in params[flag].choices:
+                raise ConfigError(f"{where} enqueue sets {flag} to {value!r}, which is not one of its choices.")
     return tuple(raw)

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
@@ -63,10 +62,12 @@ def storage(url: str, *, heartbeat_s: int | None = None) -> RDBStorage:
 
 
 def open_study(sweep: Sweep, url: str, sampler: optuna.samplers.BaseSampler,
-               pruner: optuna.pruners.BasePruner) -> optuna.Study:
-    """The sweep's study: created on first use, joined by every later process, which must sweep the same space."""
-    study = optuna.create_study(storage=storage(url, heartbeat_s=sweep.heartbeat_s), study_name=sweep.name,
-                                direction=sweep.direction, sampler=sampler, pruner=pruner, load_if_exists=True)
+               pruner: optuna.pruners.BasePruner) -> tuple[optuna.Study, RDBStorage]:
+    """The sweep's study and its storage: created on first use, joined by every later process, which must search
+    the same space."""
+    database = storage(url, heartbeat_s=sweep.heartbeat_s)
+    study = optuna.create_study(storage=database, study_name=sweep.name, direction=sweep.direction,
+                                sampler=sampler, pruner=pruner, load_if_exists=True)
     identity = json.loads(json.dumps(sweep.identity()))
     recorded = study.user_attrs.get(IDENTITY)
     if recorded is None:
@@ -76,13 +77,10 @@ def open_study(sweep: Sweep, url: str, sampler: optuna.samplers.BaseSampler,
             study.enqueue_trial({flag: stored_choice(v) if flag in choices else v for flag, v in values.items()},
                                 skip_if_exists=True)
     elif recorded != identity:
-        raise ConfigError(f"the study {sweep.name!r} in {shown(url)} sweeps another space or metric than "
-                          f"{sweep.file}: give this sweep another name: (or another storage), or sweep the same "
-                          "space.")
-    if study.direction.name.lower() != sweep.direction:
-        raise ConfigError(f"the study {sweep.name!r} in {shown(url)} was made to {study.direction.name.lower()} "
-                          f"its metric; {sweep.file} says {sweep.direction}.")
-    return study
+        raise ConfigError(f"the study {sweep.name!r} in {shown(url)} searches another space, metric or direction "
+                          f"than {sweep.file}: give this sweep another name (name: in the file) or another storage, "
+                          "or search the same space.")
+    return study, database
 
 
 def _die_with_the_sweep() -> None:
@@ -99,25 +97,18 @@ def _started(pid: int) -> int | None:
         return None
 
 
-@dataclass
-class Outcome:
-    trial: int
-    state: TrialState
-    returncode: int | None
-    log: Path
-
-
 class Workers:
     """``count`` threads that ask the study for trials and run each as a ``flowers fit`` process until it holds
     ``sweep.trials`` finished ones."""
 
-    def __init__(self, sweep: Sweep, study: optuna.Study, url: str, *, quiet: bool = False) -> None:
-        self.sweep, self.study, self.url, self.quiet = sweep, study, url, quiet
+    def __init__(self, sweep: Sweep, study: optuna.Study, database: RDBStorage, url: str) -> None:
+        self.sweep, self.study, self.database, self.url = sweep, study, database, url
+        self._study_id = database.get_study_id_from_name(sweep.name)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._processes: dict[int, subprocess.Popen] = {}
         self.refusal: str | None = None
-        self.outcomes: list[Outcome] = []
+        self.error: Exception | None = None
 
     def run(self, count: int) -> None:
         threads = [threading.Thread(target=self._work, name=f"sweep-worker-{k}", daemon=True) for k in range(count)]
@@ -134,14 +125,22 @@ class Workers:
             for thread in threads:
                 thread.join()
             raise
+        if self.error is not None:
+            raise self.error
         if self.refusal is not None:
             raise ConfigError(self.refusal)
 
     def _say(self, text: str) -> None:
-        if not self.quiet:
-            print(f"sweep {self.sweep.name}: {text}", flush=True)
+        print(f"sweep {self.sweep.name}: {text}", flush=True)
 
     def _work(self) -> None:
+        try:
+            self._trials()
+        except Exception as error:  # the storage failed, say: every worker stops, and the command says why
+            self.error = error
+            self._stop.set()
+
+    def _trials(self) -> None:
         while not self._stop.is_set():
             with self._lock:  # count and ask as one step, so this machine starts no trial beyond the target
                 self._recover()
@@ -154,8 +153,7 @@ class Workers:
                 for key, value in (("host", HOST), ("pid", os.getpid()), ("pid_started", _started(os.getpid())),
                                    ("run", str(folder))):
                     trial.set_user_attr(key, value)
-            outcome = self._run(trial, values, folder)
-            self.outcomes.append(outcome)
+            self._run(trial, values, folder)
 
     def _recover(self) -> None:
         """Fail the trials a dead sweep left running, and queue each again: this machine's at once, any
@@ -178,24 +176,23 @@ class Workers:
             if now[trial.number].state == TrialState.FAIL:
                 self._say(f"trial {trial.number} was interrupted (its sweep is gone): it runs again")
 
-    def _run(self, trial: optuna.Trial, values: dict, folder: Path) -> Outcome:
+    def _run(self, trial: optuna.Trial, values: dict, folder: Path) -> None:
+        trial_id = self.database.get_trial_id_from_study_id_trial_number(self._study_id, trial.number)
         reporter = {"class_path": "flowers.sweep.report.ReportToStudy",
-                    "init_args": {"storage": self.url, "study_name": self.sweep.name,
-                                  "trial_id": trial._trial_id, "metric": self.sweep.metric,
-                                  "pruner": self.sweep.pruner}}
+                    "init_args": {"storage": self.url, "study_name": self.sweep.name, "trial_id": trial_id,
+                                  "metric": self.sweep.metric, "pruner": self.sweep.pruner}}
         words = ["fit", *self.sweep.fit_words(values), *placement(self.sweep, trial.number),
                  f"--trainer.callbacks+={json.dumps(reporter)}"]
         folder.parent.mkdir(parents=True, exist_ok=True)
         log = folder.parent / f"{folder.name}.log"
         settings = " ".join(f"{flag}={value}" for flag, value in trial.params.items())
         self._say(f"trial {trial.number} starts: {settings}")
-        storage = self.study._storage
         with open(log, "w") as out:
             process = subprocess.Popen([sys.executable, "-m", "flowers", *words], stdout=out, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_the_sweep)
             self._processes[trial.number] = process
             while True:
-                storage.record_heartbeat(trial._trial_id)
+                self.database.record_heartbeat(trial_id)
                 try:
                     process.wait(timeout=self.sweep.heartbeat_s)
                     break
@@ -203,38 +200,39 @@ class Workers:
                     if self._stop.is_set():
                         process.kill()
             del self._processes[trial.number]
-        return self._tell(trial, process.returncode, log)
+        self._tell(trial, process.returncode, log)
 
-    def _tell(self, trial: optuna.Trial, returncode: int, log: Path) -> Outcome:
+    def _tell(self, trial: optuna.Trial, returncode: int, log: Path) -> None:
         frozen = self.study.get_trials(deepcopy=False)[trial.number]
         reported = frozen.intermediate_values
         if self._stop.is_set() or returncode < 0:  # killed: not the settings' fault, so run them again
             self.study.tell(trial, state=TrialState.FAIL)
             RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)(self.study, self.study.get_trials()[trial.number])
-            self._say(f"trial {trial.number} was interrupted (signal {-returncode}): it runs again")
-            return Outcome(trial.number, TrialState.FAIL, returncode, log)
+            self._say(f"trial {trial.number} was interrupted: it runs again")
+            return
         if returncode == 0 and reported:
             if PRUNED_AT in frozen.user_attrs:
                 self.study.tell(trial, state=TrialState.PRUNED)
                 self._say(f"trial {trial.number} pruned after epoch {frozen.user_attrs[PRUNED_AT]}")
-                return Outcome(trial.number, TrialState.PRUNED, returncode, log)
+                return
             value = reported[max(reported)]
-            told = self.study.tell(trial, value)  # a NaN is told, and recorded as a failure
+            self.study.tell(trial, value)  # Optuna records a NaN as a failed trial
             self._say(f"trial {trial.number}: {self.sweep.metric} {value:.4f}")
-            return Outcome(trial.number, told.state, returncode, log)
+            return
         self.study.tell(trial, state=TrialState.FAIL)
         why = _last_line(log) if returncode else f"it logged no {self.sweep.metric}"
         self._say(f"trial {trial.number} failed (exit {returncode}): {why} (log: {log})")
         if returncode == 2 or not returncode:  # a setting fit refuses, or no metric: every trial would fail so
             self.refusal = f"trial {trial.number} failed: {why}. Its log: {log}"
             self._stop.set()
-        return Outcome(trial.number, TrialState.FAIL, returncode, log)
 
 
 def placement(sweep: Sweep, number: int) -> list[str]:
-    """The flags that put a trial's run in ``runs/sweeps/<name>/trial_NNN/``."""
+    """The flags that put a trial's run in ``runs/sweeps/<name>/trial_NNN/``, its output in a log without a
+    progress bar."""
     return [f"--trainer.logger.init_args.save_dir={sweep.folder.parent}",
-            f"--trainer.logger.init_args.name={sweep.name}", f"--trainer.logger.init_args.version=trial_{number:03d}"]
+            f"--trainer.logger.init_args.name={sweep.name}", f"--trainer.logger.init_args.version=trial_{number:03d}",
+            "--trainer.enable_progress_bar=false"]
 
 
 def _last_line(log: Path) -> str:
