@@ -41,10 +41,10 @@ data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_ph
 	$(BIN)/flowers download
 
 test: $(STAMP)  ## run the default test suite (about 6 minutes on 2 cores)
-	$(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs; about 15 minutes on 2 cores)
-	$(BIN)/python -m pytest -m slow -n auto --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -m slow -n auto --dist loadfile
 
 test-all: $(STAMP)  ## run every test
 	$(BIN)/python -m pytest -m ''

@@ -22,19 +22,6 @@ def pytest_configure(config):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# The longest files, longest first. Make's targets pass --no-loadscope-reorder, so xdist hands out files in this
-# order: a long file started last would leave the other worker idle at the end (xdist's own order puts the files
-# with the most tests first, and the quickstart's single test last).
-LONGEST_FIRST = ("test_quickstart.py", "test_gpu_script.py", "test_real_photos.py", "test_tta.py",
-                 "test_setup_scale.py", "test_resume.py", "test_soak.py", "test_ddp.py", "test_sweep.py",
-                 "test_bench.py", "test_serve_worker.py", "test_budget.py", "test_serve.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.fixture(scope="session")
 def tiny_synthetic(tmp_path_factory) -> Path:
     """A small synthetic flower set in the single-folder layout, drawn once per test run."""

@@ -15,12 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from flowers.errors import ConfigError
 from flowers.sweep.spec import PRUNED_AT, Sweep, stored_choice
@@ -52,13 +54,21 @@ def storage(url: str, *, heartbeat_s: int | None = None) -> RDBStorage:
     retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
     heartbeat = dict(heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
                      heartbeat_stale_trial_callback=retry) if heartbeat_s else {}
-    try:
-        return RDBStorage(url, engine_kwargs=engine, **heartbeat)
-    except Exception as error:  # a driver that is missing, a server that does not answer, a URL that is not one
-        first = " ".join(str(error).strip().splitlines()[0].split()) if str(error).strip() else type(error).__name__
-        raise ConfigError(f"cannot open the study's storage {shown(url)}: {first[:300]}. Check the URL, that the "
-                          "database server runs and lets this machine in, and its driver (psycopg for "
-                          "postgresql://: pip install 'flowers[sweep]').") from None
+    for wait_s in (1, 2, None):
+        try:
+            return RDBStorage(url, engine_kwargs=engine, **heartbeat)
+        except (IntegrityError, ProgrammingError):
+            # Machines that start at once all create the tables, and all but one fail; the tables are there then.
+            if wait_s is None:
+                raise ConfigError(f"cannot create the study's tables in {shown(url)}: see the database's log, and "
+                                  "that this user may create tables there.") from None
+            time.sleep(wait_s)
+        except Exception as error:  # a missing driver, a server that does not answer, a URL that is not one
+            first = " ".join(str(error).strip().splitlines()[0].split()) if str(error).strip() else \
+                type(error).__name__
+            raise ConfigError(f"cannot open the study's storage {shown(url)}: {first[:300]}. Check the URL, that the "
+                              "database server runs and lets this machine in, and its driver (psycopg for "
+                              "postgresql://: pip install 'flowers[sweep]').") from None
 
 
 def open_study(sweep: Sweep, url: str, sampler: optuna.samplers.BaseSampler,
