@@ -14,6 +14,7 @@ import torch
 from flowers.errors import ConfigError
 from flowers.sweep.choices import make_pruner
 from flowers.sweep.spec import PRUNED_AT
+from flowers.sweep.study import storage
 
 
 class ReportToStudy(L.Callback):
@@ -26,7 +27,7 @@ class ReportToStudy(L.Callback):
     def _trial_of_the_study(self) -> optuna.Trial:
         if self._trial is None:
             # A study's pruner is not in its storage: each process that asks it must be given the sweep's.
-            study = optuna.load_study(study_name=self.study_name, storage=self.storage,
+            study = optuna.load_study(study_name=self.study_name, storage=storage(self.storage),
                                       pruner=make_pruner(self.pruner))
             self._trial = optuna.Trial(study, self.trial_id)
         return self._trial
@@ -34,11 +35,11 @@ class ReportToStudy(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
+        if self.metric not in trainer.callback_metrics:  # every rank has the logged values: all stop here
+            raise ConfigError(f"the sweep's metric {self.metric} is not logged by this run; it logs "
+                              f"{', '.join(sorted(trainer.callback_metrics))}.")
         prune = False
         if trainer.is_global_zero:
-            if self.metric not in trainer.callback_metrics:
-                raise ConfigError(f"the sweep's metric {self.metric} is not logged by this run; it logs "
-                                  f"{', '.join(sorted(trainer.callback_metrics))}.")
             trial = self._trial_of_the_study()
             trial.report(float(trainer.callback_metrics[self.metric]), step=trainer.current_epoch)
             prune = trial.should_prune()
