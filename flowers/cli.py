@@ -324,6 +324,8 @@ def cli_main(args: list[str] | None = None, *, run: bool = True) -> FlowersCLI:
 
 
 class _ParsedOnly(FlowersCLI):
+    """LightningCLI's parse and its own checks of the command line, with its hooks that build things left out."""
+
     def before_instantiate_classes(self) -> None:
         pass
 
