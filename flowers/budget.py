@@ -53,15 +53,25 @@ def clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def process_started(pid: int | str = "self") -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux); None where there is no such process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def seconds_since_start() -> float:
     """How long this process has run: since the command started, imports included (Linux), else since flowers'
     first import."""
+    started_ticks = process_started()
     try:
-        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+        if started_ticks is not None:
+            uptime = float(Path("/proc/uptime").read_text().split()[0])
+            return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED
+        pass
+    return time.monotonic() - _IMPORTED
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def _sweep(args, rest: list[str]) -> int:
                           "'flowers[sweep]'") from None
     # Here, not above: `flowers sweep --help` loads neither Optuna nor torch.
     from flowers.sweep import results, spec, study
-    from flowers.sweep.check import check, fit_config
+    from flowers.sweep.check import check
     from flowers.sweep.choices import make_pruner, make_sampler
 
     # The heartbeat is Optuna's, driven here around ask and tell rather than inside Study.optimize: a trial is a
@@ -87,5 +87,5 @@ def _sweep(args, rest: list[str]) -> int:
         results.trials_csv(sweep, opened)
         print(f"sweep {sweep.name}: interrupted; the same command continues it", file=sys.stderr)
         return 130
-    print(results.summary(sweep, opened, study.shown(url), fit_config), flush=True)
+    print(results.summary(sweep, opened, study.shown(url)), flush=True)
     return 0

@@ -11,9 +11,8 @@ import optuna
 from optuna.trial import TrialState
 
 from flowers.files import atomic_write_text
+from flowers.sweep.check import fit_config
 from flowers.sweep.spec import PRUNED_AT, Sweep, as_flag
-
-PLOTS = ("optimization_history", "param_importances", "parallel_coordinate")
 
 
 def trials_csv(sweep: Sweep, study: optuna.Study) -> Path:
@@ -39,14 +38,14 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     return study.best_trial if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) else None
 
 
-def best_yaml(sweep: Sweep, study: optuna.Study, fit_config: str) -> Path:
+def best_yaml(sweep: Sweep, trial: optuna.trial.FrozenTrial) -> Path:
     """``best.yaml``: the whole fit config of the best trial, which ``flowers fit --config`` runs as it ran."""
-    trial = study.best_trial
+    values = {param.flag: param.value_of(trial.params[param.flag]) for param in sweep.space}
     header = (f"# The best trial of the sweep {sweep.name} ({sweep.file}): trial {trial.number}, {sweep.metric} "
               f"{trial.value:.4f}.\n# Its run: {trial.user_attrs.get('run', '?')}. Train it again with\n"
               f"#   flowers fit --config {sweep.folder / 'best.yaml'}\n")
     path = sweep.folder / "best.yaml"
-    atomic_write_text(path, header + fit_config)
+    atomic_write_text(path, header + fit_config(sweep, values))
     return path
 
 
@@ -80,16 +79,15 @@ def plots(sweep: Sweep, study: optuna.Study) -> dict[str, str]:
     return drawn
 
 
-def summary(sweep: Sweep, study: optuna.Study, storage_shown: str, fit_config) -> str:
+def summary(sweep: Sweep, study: optuna.Study, storage_shown: str) -> str:
     """Writes trials.csv, best.yaml and the plots; the lines that say where they are and which trial won."""
     states = [trial.state for trial in study.get_trials(deepcopy=False)]
     counts = ", ".join(f"{states.count(s)} {s.name.lower()}" for s in TrialState if states.count(s))
     lines = [f"sweep {sweep.name}: {len(states)} trials ({counts})", f"  {trials_csv(sweep, study)}"]
     best = best_trial(study)
     if best is not None:
-        values = {param.flag: param.value_of(best.params[param.flag]) for param in sweep.space}
-        path = best_yaml(sweep, study, fit_config(sweep, values))
-        settings = " ".join(f"--{flag}={as_flag(value)}" for flag, value in values.items())
+        path = best_yaml(sweep, best)
+        settings = " ".join(f"--{p.flag}={as_flag(p.value_of(best.params[p.flag]))}" for p in sweep.space)
         lines[1:1] = [f"best: trial {best.number}, {sweep.metric} {best.value:.4f}: {settings}",
                       f"  {path}   flowers fit --config {path}"]
     lines += [f"  {name}: {where}" for name, where in plots(sweep, study).items()]

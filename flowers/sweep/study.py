@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
+from flowers.budget import process_started
 from flowers.errors import ConfigError
 from flowers.sweep.spec import PRUNED_AT, Sweep, stored_choice
 
@@ -99,14 +100,6 @@ def _die_with_the_sweep() -> None:
         _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _started(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (Linux); None when there is no such process."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class Workers:
     """``count`` threads that ask the study for trials and run each as a ``flowers fit`` process until it holds
     ``sweep.trials`` finished ones."""
@@ -160,7 +153,7 @@ class Workers:
                 trial = self.study.ask()
                 values = {param.flag: param.suggest(trial) for param in self.sweep.space}
                 folder = self.sweep.folder / f"trial_{trial.number:03d}"
-                for key, value in (("host", HOST), ("pid", os.getpid()), ("pid_started", _started(os.getpid())),
+                for key, value in (("host", HOST), ("pid", os.getpid()), ("pid_started", process_started(os.getpid())),
                                    ("run", str(folder))):
                     trial.set_user_attr(key, value)
             self._run(trial, values, folder)
@@ -175,7 +168,7 @@ class Workers:
             attrs = trial.user_attrs
             if attrs.get("host") != HOST or attrs.get("pid") == os.getpid():
                 continue
-            if _started(attrs.get("pid", -1)) != attrs.get("pid_started"):
+            if process_started(attrs.get("pid", -1)) != attrs.get("pid_started"):
                 try:
                     self.study.tell(trial.number, state=TrialState.FAIL)
                 except (ValueError, RuntimeError):  # failed already, by its heartbeat or another sweep

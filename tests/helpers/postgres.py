@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server on 127.0.0.1, in a temporary folder, for the tests of studies shared by machines.
+"""A PostgreSQL server of a test's own on 127.0.0.1, in a temporary folder, for studies shared by machines.
 
 Debian's ``postgresql`` package gives the programs (``make postgres`` installs it); the server runs as the
 ``postgres`` user where the tests run as root, since PostgreSQL refuses to run as root.
