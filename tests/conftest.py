@@ -6,6 +6,8 @@ The builders behind them are in tests/helpers/; a test imports those from there.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,12 +16,47 @@ import torch
 from tests.helpers.images import REAL_PHOTOS
 from tests.helpers.runs import TINY_RUN, fit_in
 
+# The suite writes about 9 GB of checkpoints, fsynced: a RAM folder saves a fifth (docs/architecture.md).
+RAM_FOLDER = Path("/dev/shm")
+RAM_NEEDED = 4 << 30  # the most a run holds at once (the trained runs it shares, the tests in flight), with room
+RAM_BASETEMP = pytest.StashKey[str]()
+KEPT = pytest.StashKey[Path]()
 
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     # Keep torch from oversubscribing the cores: one thread per xdist worker (and per process it starts), else 2.
     several_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
     os.environ.setdefault("OMP_NUM_THREADS", "1" if several_workers else "2")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if config.option.basetemp is None and not hasattr(config, "workerinput") and _has_room(RAM_FOLDER):
+        # xdist's workers get folders inside it; --basetemp chooses another place.
+        config.option.basetemp = config.stash[RAM_BASETEMP] = tempfile.mkdtemp(prefix="flowers-tests-", dir=RAM_FOLDER)
+
+
+def _has_room(folder: Path) -> bool:
+    try:
+        return os.access(folder, os.W_OK) and shutil.disk_usage(folder).free >= RAM_NEEDED
+    except OSError:
+        return False
+
+
+def pytest_sessionfinish(session, exitstatus):
+    ram = session.config.stash.get(RAM_BASETEMP, None)
+    if ram is None:
+        return
+    if exitstatus == 0:
+        shutil.rmtree(ram, ignore_errors=True)
+    else:  # the failed tests' folders, to read afterwards, without holding the memory
+        kept = Path(tempfile.gettempdir()) / Path(ram).name
+        shutil.move(ram, kept)
+        session.config.stash[KEPT] = kept
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    kept = config.stash.get(KEPT, None)
+    if kept is not None:
+        terminalreporter.write_line(f"the failed tests' folders are in {kept}")
 
 
 @pytest.fixture(scope="session")

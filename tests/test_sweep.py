@@ -29,7 +29,7 @@ def write_sweep(folder: Path, data: Path, **entries) -> Path:
              "args": [*TRIAL_ARGS, f"--data.data_dir={data}"],
              "space": {LR: {"low": 0.0001, "high": 10.0, "log": True},
                        "data.crop_scale": {"choices": [[0.6, 1.0], [0.9, 1.0]]}},
-             "metric": "val/loss", "direction": "minimize", "trials": 4, "heartbeat_s": 1,
+             "metric": "val/loss", "direction": "minimize", "trials": 4, "heartbeat_s": 5,
              "sampler": {"name": "random", "seed": 3}, **entries}
     path = folder / "tiny.yaml"
     path.write_text(yaml.safe_dump(sweep, sort_keys=False))
@@ -42,9 +42,11 @@ def sweep_command(path: Path, *args: str) -> list[str]:
 
 def trials_of(folder: Path, name: str = "tiny", storage: str | None = None) -> list:
     """The study's trials; none while the sweep has yet to make it."""
+    from flowers.sweep.study import storage as opened
+
     url = storage or f"sqlite:///{folder / 'runs' / 'sweeps' / name / 'study.db'}"
-    try:
-        return optuna.load_study(study_name=name, storage=url).get_trials()
+    try:  # opened as the sweep opens it: it waits for a sweep that is creating the tables at this moment
+        return optuna.load_study(study_name=name, storage=opened(url)).get_trials()
     except KeyError:
         return []
 
@@ -125,6 +127,35 @@ def test_a_study_joined_with_another_space_is_refused(tmp_path):
     other = read(write_sweep(tmp_path, tmp_path, direction="maximize"))
     with pytest.raises(ConfigError, match="searches another space, metric or direction"):
         open_study(other, url, make_sampler(other.sampler), make_pruner(other.pruner))
+
+
+def test_a_trial_another_sweep_failed_stops_its_run_and_is_not_told_again(tmp_path, capsys):
+    # Under load a heartbeat can come later than the grace period: another machine then fails the trial and
+    # queues it again, while its run goes on.
+    from types import SimpleNamespace
+
+    from flowers.sweep.choices import make_pruner, make_sampler
+    from flowers.sweep.report import ReportToStudy
+    from flowers.sweep.spec import read
+    from flowers.sweep.study import Workers, open_study
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    sweep = read(write_sweep(tmp_path, tmp_path))
+    study, database = open_study(sweep, url, make_sampler(sweep.sampler), make_pruner(sweep.pruner))
+    trial = study.ask()
+    study.tell(trial.number, state=optuna.trial.TrialState.FAIL)  # as the other machine's stale check does
+
+    trainer = SimpleNamespace(sanity_checking=False, callback_metrics={"val/loss": 0.5}, is_global_zero=True,
+                              current_epoch=0, should_stop=False, strategy=SimpleNamespace(broadcast=lambda x, src: x))
+    trial_id = database.get_trial_id_from_study_id_trial_number(database.get_study_id_from_name(sweep.name), 0)
+    reporter = ReportToStudy(url, sweep.name, trial_id, metric="val/loss")
+    with pytest.warns(UserWarning, match="failed by another sweep of the study: this run stops"):
+        reporter.on_validation_end(trainer, None)
+    assert trainer.should_stop
+
+    Workers(sweep, study, database, url)._tell(trial, 0, tmp_path / "trial_000.log")
+    assert "trial 0 was failed by another sweep" in capsys.readouterr().out
+    assert [t.state.name for t in study.get_trials()] == ["FAIL"]
 
 
 # --- real sweeps ------------------------------------------------------------------------------------------

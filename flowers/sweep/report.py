@@ -10,6 +10,8 @@ from __future__ import annotations
 import lightning as L
 import optuna
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from optuna.exceptions import UpdateFinishedTrialError
 
 from flowers.errors import ConfigError
 from flowers.sweep.choices import make_pruner
@@ -41,10 +43,15 @@ class ReportToStudy(L.Callback):
         prune = False
         if trainer.is_global_zero:
             trial = self._trial_of_the_study()
-            trial.report(float(trainer.callback_metrics[self.metric]), step=trainer.current_epoch)
-            prune = trial.should_prune()
-            if prune:
-                trial.set_user_attr(PRUNED_AT, trainer.current_epoch)
+            try:
+                trial.report(float(trainer.callback_metrics[self.metric]), step=trainer.current_epoch)
+            except UpdateFinishedTrialError:  # failed by another sweep, its heartbeat late: it runs again anyway
+                rank_zero_warn(f"trial {trial.number} was failed by another sweep of the study: this run stops.")
+                prune = True
+            else:
+                prune = trial.should_prune()
+                if prune:
+                    trial.set_user_attr(PRUNED_AT, trainer.current_epoch)
         # Every ddp process stops at the same epoch, as rank 0 decided.
         if trainer.strategy.broadcast(torch.tensor(prune), src=0).item():
             trainer.should_stop = True

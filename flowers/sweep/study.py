@@ -208,6 +208,10 @@ class Workers:
     def _tell(self, trial: optuna.Trial, returncode: int, log: Path) -> None:
         frozen = self.study.get_trials(deepcopy=False)[trial.number]
         reported = frozen.intermediate_values
+        if frozen.state.is_finished():  # another sweep failed it, its heartbeat too late, and queued it again
+            self._say(f"trial {trial.number} was failed by another sweep (this one's heartbeat came late): it runs "
+                      "again")
+            return
         if self._stop.is_set() or returncode < 0:  # killed: not the settings' fault, so run them again
             self.study.tell(trial, state=TrialState.FAIL)
             RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)(self.study, self.study.get_trials()[trial.number])
