@@ -18,7 +18,7 @@ from tests.helpers.runs import TINY_RUN, fit_in
 
 # The suite writes about 9 GB of checkpoints, fsynced: a RAM folder saves a fifth (docs/architecture.md).
 RAM_FOLDER = Path("/dev/shm")
-RAM_NEEDED = 4 << 30  # the most a run holds at once (the trained runs it shares, the tests in flight), with room
+RAM_NEEDED = 8 << 30  # twice the most a run was seen to hold at once (the shared trained runs, the tests in flight)
 RAM_BASETEMP = pytest.StashKey[str]()
 KEPT = pytest.StashKey[Path]()
 
