@@ -23,6 +23,7 @@ def tta():
     return module
 
 
+@pytest.mark.slow
 def test_tta_times_each_recipe_and_the_loop_per_seed(tta, tiny_synthetic, tmp_path, capsys):
     out = tmp_path / "tta.json"
     assert tta.main(["--tta", "--data-dir", str(tiny_synthetic), "--recipe", "configs/quickstart.yaml",
