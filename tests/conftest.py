@@ -16,7 +16,7 @@ import torch
 from tests.helpers.images import REAL_PHOTOS
 from tests.helpers.runs import TINY_RUN, fit_in
 
-# The suite writes about 9 GB of checkpoints, fsynced: a RAM folder saves a fifth (docs/architecture.md).
+# The suite writes about 9 GB of checkpoints, fsynced: a RAM folder saves a fifth (docs/benchmarks.md).
 RAM_FOLDER = Path("/dev/shm")
 RAM_NEEDED = 8 << 30  # twice the most a run was seen to hold at once (the shared trained runs, the tests in flight)
 RAM_BASETEMP = pytest.StashKey[str]()
