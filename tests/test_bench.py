@@ -69,6 +69,7 @@ def test_without_native_bf16_c_runs_and_is_compared_in_fp32(bench, in_tmp, tiny_
     assert list(report["floor"]) == ["fp32", "fp32_channels_last_fused"]  # no emulated bf16 floor measured
 
 
+@pytest.mark.slow
 def test_bench_trains_several_epochs_and_pairs_the_accuracies_by_seed(bench, in_tmp, tiny_synthetic, capsys):
     out = in_tmp / "bench.json"
     assert bench.main(["--data-dir", str(tiny_synthetic), *TINY, "--limit-batches", "2", "--repeats", "2",
@@ -146,6 +147,7 @@ def test_the_loader_alone_times_cs_own_data_path_over_an_epoch(bench, in_tmp, ti
     assert len(cropped) == 2 * batches + 2
 
 
+@pytest.mark.slow
 def test_bench_ablations_run_c_with_the_named_settings_changed(bench, in_tmp, tiny_synthetic, capsys, monkeypatch):
     fake_cpu(monkeypatch, in_tmp, "amx_bf16")
     out = in_tmp / "bench.json"

@@ -56,6 +56,7 @@ def health(server: Server) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_request_it_held_gets_503(checkpoint, tmp_path):
     photo = next(iter(photo_files(tmp_path))).read_bytes()
     # A 5 s window for a batch of 2: a lone request waits in the worker, so a kill finds it there.
