@@ -26,6 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from flowers.alexnet import AlexNet
+from flowers.budget import clock, parse_budget
 from flowers.cli import cli_main
 from flowers.data.folders import find_classes, is_split_layout, list_images, stratified_split
 from flowers.module import TUTORIAL_LR
@@ -323,26 +324,40 @@ def first_time_at(run: dict, target: float) -> float | None:
 
 
 def tta(args: argparse.Namespace) -> dict:
-    """Each recipe, and the tutorial's loop unless ``--no-loop``, as whole processes once per seed."""
+    """Each recipe, and the tutorial's loop unless ``--no-loop``, as whole processes once per seed; with
+    ``--budgets``, each recipe under each budget, a multiple of the loop's time (its first run, or --loop-seconds)."""
     fit_extra = shlex.split(args.fit_args)
-    names = {" + ".join(recipe): (recipe, []) for recipe in args.recipes}
+    names = {" + ".join(recipe): (recipe, [], None) for recipe in args.recipes}
     for settings in args.ablate:  # the first recipe with some settings changed
         names[f"{' + '.join(args.recipes[0])} with {settings}"] = (
-            args.recipes[0], [f"--{setting}" for setting in shlex.split(settings)])
+            args.recipes[0], [f"--{setting}" for setting in shlex.split(settings)], None)
+    if args.budgets:
+        names = {f"{name} at {multiple:g} × the loop": (recipe, changes, multiple)
+                 for name, (recipe, changes, _) in names.items() for multiple in args.budgets}
+    loop_s = args.loop_seconds
     with tempfile.TemporaryDirectory(prefix="tta-flowers-") as tmp:
         data_dir = split_folder(args.data_dir.resolve(), Path(tmp) / "split")
         warm_up_s = {}  # one batch of each recipe builds its cache, untimed; the last flag validates its one epoch
-        for n, (name, (recipe, changes)) in enumerate(names.items()):
+        for n, (name, (recipe, changes, _)) in enumerate(names.items()):
             warm_up_s[name] = fit_process(recipe, data_dir, 0, Path(tmp) / f"warm-up-{n}", [
-                *fit_extra, *changes, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
+                *fit_extra, *changes, "--budget=null", "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
                 "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=1"])["total_s"]
         recipes: dict[str, list[dict]] = {name: [] for name in [LOOP] * (not args.no_loop) + list(names)}
         for repeat in range(args.repeats):
             seed = args.seed + repeat
-            for n, name in enumerate(recipes if repeat % 2 == 0 else list(recipes)[::-1]):  # so drift favours none
-                recipe, changes = names.get(name, ([], []))
+            order = list(recipes) if repeat % 2 == 0 else list(recipes)[::-1]  # so drift favours none
+            if loop_s is None and LOOP in order:  # the budgets are multiples of the loop's first time
+                order.insert(0, order.pop(order.index(LOOP)))
+            for n, name in enumerate(order):
+                recipe, changes, multiple = names.get(name, ([], [], None))
+                budget = [f"--budget={clock(multiple * loop_s)}"] if multiple is not None else []
                 run = (loop_process(data_dir, seed, shlex.split(args.loop_args)) if name == LOOP else
-                       fit_process(recipe, data_dir, seed, Path(tmp) / f"runs-{seed}-{n}", [*fit_extra, *changes]))
+                       fit_process(recipe, data_dir, seed, Path(args.keep_runs or tmp) / f"runs-{seed}-{n}",
+                                   [*fit_extra, *changes, *budget]))
+                if budget:
+                    run["budget_s"] = parse_budget(budget[0].split("=", 1)[1])
+                if name == LOOP and loop_s is None:
+                    loop_s = run["total_s"]
                 recipes[name].append({"seed": seed, **run})
                 print(f"# seed {seed} {name}: final val acc {run['epochs'][-1]['val_acc']:.3f} in "
                       f"{run['total_s']:.1f} s", file=sys.stderr, flush=True)
@@ -352,7 +367,8 @@ def tta(args: argparse.Namespace) -> dict:
         recipes[f"{LOOP} ({len(loop[0]['epochs'])} epochs)"] = loop
     config = {"seeds": [args.seed + r for r in range(args.repeats)], "targets": args.targets, "ablate": args.ablate,
               "fit_args": args.fit_args, "loop_args": args.loop_args, "data_dir": str(args.data_dir),
-              "train_images": train_images, "val_images": val_images, "cpu_count": os.cpu_count()}
+              "train_images": train_images, "val_images": val_images, "cpu_count": os.cpu_count(),
+              "budgets": args.budgets, "loop_s": loop_s, "loop_s_given": args.loop_seconds is not None}
     return {"config": config, "warm_up_s": warm_up_s, "recipes": recipes}
 
 
@@ -438,20 +454,29 @@ def anatomy_table(report: dict, args) -> str:
 
 def tta_table(report: dict) -> str:
     config = report["config"]
-    rows = [["recipe", "final val acc", *(f"time to {t:.2f}" for t in config["targets"]), "total s"]]
+    budgeted = bool(config.get("budgets"))
+    rows = [["recipe", "final val acc", *(f"time to {t:.2f}" for t in config["targets"]), "total s",
+             *(["total / budget", "epochs"] if budgeted else [])]]
     for name, runs in report["recipes"].items():
         row = [name, spread([r["epochs"][-1]["val_acc"] for r in runs], 3)]
         for target in config["targets"]:
             reached = [t for r in runs if (t := first_time_at(r, target)) is not None]
             row.append(spread(reached, unit=" s") + ("" if len(reached) == len(runs) else
                                                      f" [{len(reached)}/{len(runs)}]"))
-        rows.append(row + [spread([r["total_s"] for r in runs], unit=" s")])
-    lines = grid(rows, [48, 22] + [24] * (len(config["targets"]) + 1))
+        row.append(spread([r["total_s"] for r in runs], unit=" s"))
+        if budgeted:
+            within = [r["total_s"] / r["budget_s"] for r in runs if "budget_s" in r]
+            row += [spread(within, 3) if within else "", spread([len(r["epochs"]) for r in runs], 0)]
+        rows.append(row)
+    lines = grid(rows, [48, 22] + [24] * (len(config["targets"]) + 1) + [18, 12] * budgeted)
     lines += [f"warm-up of {name} (builds its cache once, not in the table): {seconds:.1f} s"
               for name, seconds in report["warm_up_s"].items()]
     lines.append(f"seeds {config['seeds']}, whole processes, {config['train_images']} train / "
                  f"{config['val_images']} val images; [k/n]: only k of the n seeds reached that accuracy "
                  "(median over those k)")
+    if budgeted:
+        source = "given (--loop-seconds)" if config["loop_s_given"] else "its first run here"
+        lines.append(f"budgets: multiples of the tutorial loop's time, {config['loop_s']:.0f} s ({source})")
     return "\n".join(lines)
 
 
@@ -486,6 +511,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a recipe's config files, space-separated (default: configs/tutorial.yaml configs/fast.yaml)")
     p.add_argument("--targets", default="0.70,0.80", help="accuracies to time, comma-separated")
     p.add_argument("--no-loop", action="store_true", help="leave out the tutorial's loop")
+    p.add_argument("--budgets", default="", help="run each recipe under `--budget`s, these multiples of the tutorial "
+                                                 "loop's time, comma-separated (e.g. 0.65,2)")
+    p.add_argument("--keep-runs", type=Path, help="--tta: keep each run's folder (checkpoints, logs) here")
+    p.add_argument("--loop-seconds", type=float, help="the loop's time for --budgets (default: its first run here)")
     p.add_argument("--fit-args", default="", help="extra `flowers fit` arguments (one alone needs =: --fit-args=--x=1)")
     p.add_argument("--loop-args", default="", help="extra arguments for benchmarks/tutorial_loop.py")
     args = p.parse_args(argv)
@@ -497,6 +526,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.variants += list(args.ablations)
     args.recipes = [r.split() for r in args.recipe] or [["configs/tutorial.yaml", "configs/fast.yaml"]]
     args.targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    if args.budgets and args.no_loop and args.loop_seconds is None:
+        p.error("--budgets are multiples of the tutorial loop's time: leave out --no-loop or give --loop-seconds.")
     if min(args.repeats, args.epochs, args.parallel) < 1:
         p.error("--repeats, --epochs and --parallel must be at least 1.")
     if not args.variants and not args.tta:

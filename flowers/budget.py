@@ -4,7 +4,9 @@ whole schedule (warm-up, cosine, progressive resizing, weight averaging) complet
 Lightning's ``max_time`` stops a run wherever it is: the learning rate never anneals and the last resolutions are
 never trained. A budget sizes the schedule to the time instead, on whatever machine runs it. It counts what the user
 waits for: the process's start (imports, data setup, this measurement), every epoch's training and validation, the
-checkpoints and the end of the run. The plan is saved in the checkpoints: a resumed run continues it.
+checkpoints and the end of the run. A machine's speed drifts during a run, so at each epoch's end the run compares
+its epochs' times with the plan and re-plans the rest: the schedule is stretched or squeezed from there on
+(flowers.stretch), with no jump. The plan is saved in the checkpoints: a resumed run continues it as saved.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ import torch
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 
 from flowers.errors import ConfigError
+from flowers.schedules import WarmupCosineLR
+from flowers.stretch import position, stretched
 
 _IMPORTED = time.monotonic()
 END_OF_RUN_S = 1.0  # after the last epoch: the last hooks, the summary, the process's exit
 TIMED_STEPS = 3  # per training side, after one untimed step (kernels chosen, memory allocated); their median
+PACE_EPOCHS = 3  # a re-plan reads the speed of the last few epochs: it follows a drift, not one slow epoch
+MIN_PACE = 0.25  # epochs four times faster than measured mean a measurement gone wrong, not a faster machine
+GROWTH = 2  # a re-plan at most doubles the epochs left: a burst of speed does not stretch the schedule far
 
 
 def parse_budget(text: str | float | int) -> float:
@@ -112,40 +119,65 @@ class Plan:
                 f" (ends at about {clock(self.predicted_s)})")
 
 
+def epoch_seconds(costs: Costs, epoch: int, side: int) -> float:
+    """One epoch at ``side``: its steps, its validation if it has one, and its checkpoints."""
+    validated = costs.validate_every is not None and (epoch + 1) % costs.validate_every == 0
+    # last.ckpt after every epoch; the best checkpoint after a validation, at most.
+    return (costs.batches_per_epoch * costs.step[side] + costs.checkpoint
+            + (costs.validation + costs.checkpoint if validated else 0.0))
+
+
 def predicted_seconds(costs: Costs, epochs: int, size_at: Callable[[int, int], int]) -> float:
     """The whole run's time with ``epochs`` epochs: ``size_at(epoch, epochs)`` is the training side of each."""
-    total = costs.elapsed + END_OF_RUN_S
-    for epoch in range(epochs):
-        validated = costs.validate_every is not None and (epoch + 1) % costs.validate_every == 0
-        total += costs.batches_per_epoch * costs.step[size_at(epoch, epochs)]
-        # last.ckpt after every epoch; the best checkpoint after a validation, at most.
-        total += costs.checkpoint + (costs.validation + costs.checkpoint if validated else 0.0)
-    return total
+    return costs.elapsed + END_OF_RUN_S + sum(epoch_seconds(costs, epoch, size_at(epoch, epochs))
+                                              for epoch in range(epochs))
+
+
+def _nearest(end: Callable[[int], float], budget_s: float, low: int, most: int) -> int:
+    """The epoch count from ``low`` up to ``most`` whose ``end`` comes nearest the budget, before or after it: the
+    most that end within it (strides that double, then bisect), or one more when that ends nearer past it."""
+    stride = 1
+    while low + stride <= most and end(low + stride) <= budget_s:
+        low, stride = low + stride, stride * 2
+    high = min(low + stride, most + 1)  # ends past the budget, or is past ``most``
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if end(middle) <= budget_s else (low, middle)
+    if low < most and end(low + 1) - budget_s < budget_s - end(low):
+        return low + 1  # whole epochs: half an epoch past the budget is nearer than most of one before it
+    return low
 
 
 def plan_epochs(costs: Costs, budget_s: float, size_at: Callable[[int, int], int], *,
                 most: int = 100_000) -> Plan:
-    """The most epochs whose whole schedule ends within ``budget_s``; a ConfigError when not even one does."""
-    def fits(epochs: int) -> bool:
-        return predicted_seconds(costs, epochs, size_at) <= budget_s
+    """The epochs whose whole schedule ends nearest ``budget_s``; a ConfigError when not even one ends within it."""
+    def end(epochs: int) -> float:
+        return predicted_seconds(costs, epochs, size_at)
 
-    if not fits(1):
+    if end(1) > budget_s:
         one = predicted_seconds(costs, 1, size_at)
         raise ConfigError(
             f"--budget {clock(budget_s)} is too short for one epoch: {clock(costs.elapsed)} have passed already and "
             f"one epoch with its validation would end at about {clock(one)}. Give at least --budget {clock(one * 1.2)},"
             " or train on less data."
         )
-    low, high = 1, 2
-    while high <= most and fits(high):  # the time grows with the epochs: double, then bisect
-        low, high = high, high * 2
-    high = min(high, most + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
+    low = _nearest(end, budget_s, 1, most)  # the time grows with the epochs
     return Plan(budget_s=budget_s, epochs=low, batches_per_epoch=costs.batches_per_epoch,
                 first_size=size_at(0, low), last_size=size_at(low - 1, low),
                 predicted_s=predicted_seconds(costs, low, size_at))
+
+
+def replan_epochs(costs: Costs, budget_s: float, *, now: float, done: int, pace: float,
+                  size_at: Callable[[int, int], int], most: int = 100_000) -> tuple[int, float]:
+    """After ``done`` epochs, at ``now``: the epochs (at least one more) whose rest ends nearest ``budget_s`` when
+    each takes ``pace`` × its measured time, and when that end comes. ``size_at(epoch, epochs)`` is an epoch's
+    side with the schedule stretched to ``epochs``."""
+    def end(epochs: int) -> float:
+        return now + END_OF_RUN_S + pace * sum(epoch_seconds(costs, epoch, size_at(epoch, epochs))
+                                               for epoch in range(done, epochs))
+
+    epochs = _nearest(end, budget_s, done + 1, most)
+    return epochs, end(epochs)
 
 
 class TimeBudget(L.Callback):
@@ -161,6 +193,9 @@ class TimeBudget(L.Callback):
         self.planned = planned
         self.plan: Plan | None = None
         self._trainer: L.Trainer | None = None
+        self._costs: Costs | None = None  # measured in this process: a resumed run keeps its plan as saved
+        self._epoch_ends: list[float] = []  # seconds since the start: when training began, then each epoch ended
+        self._sides: list[int] = []  # each epoch's training side
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -179,6 +214,7 @@ class TimeBudget(L.Callback):
         decided = trainer.strategy.broadcast(decided, src=0)  # every ddp process runs rank 0's plan
         if isinstance(decided, str):
             raise ConfigError(decided)
+        self._costs = costs
         self._apply(decided)
 
     def _apply(self, plan: Plan) -> None:
@@ -190,6 +226,51 @@ class TimeBudget(L.Callback):
         if self.plan is None:
             raise ConfigError("--budget was given to resume a run that was not planned by a budget: its schedule "
                               "is set in epochs. Resume it without --budget, or start a new run with one.")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_ends = [seconds_since_start()]
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sides.append(trainer.datamodule.train_image_size())
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit" and trainer.is_last_batch:
+            self._replan(trainer)  # before the epoch's checkpoints, which then hold the new plan
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._replan(trainer)  # an epoch with no validation
+
+    def _replan(self, trainer: L.Trainer) -> None:
+        done = trainer.current_epoch + 1
+        if (self._costs is None or self.plan is None or len(self._epoch_ends) != done or done >= self.plan.epochs
+                or trainer.should_stop or not _stretchable(trainer)):
+            return
+        now = seconds_since_start()
+        self._epoch_ends.append(now)
+        data, epochs = trainer.datamodule, self.plan.epochs
+        first = max(0, done - PACE_EPOCHS)
+        expected = sum(epoch_seconds(self._costs, epoch, self._sides[epoch]) for epoch in range(first, done))
+        pace = max(MIN_PACE, (now - self._epoch_ends[first]) / expected)
+
+        def size_at(epoch: int, new_epochs: int) -> int:
+            knots = stretched(data.resize_knots, at=done, end=epochs, new_end=new_epochs)
+            return data.train_image_size(position(epoch, knots), position(new_epochs, knots))
+
+        decided = replan_epochs(self._costs, self.budget_s, now=now, done=done, pace=pace, size_at=size_at,
+                                most=done + GROWTH * (epochs - done)) if trainer.is_global_zero else None
+        new_epochs, ends = trainer.strategy.broadcast(decided, src=0)  # every ddp process stretches alike
+        if new_epochs == epochs:
+            return
+        data.stretch_resizing(at_epoch=done, epochs=epochs, new_epochs=new_epochs)
+        steps = trainer.num_training_batches / trainer.accumulate_grad_batches
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.stretch(at_step=trainer.global_step, run_steps=math.ceil(epochs * steps),
+                                     new_run_steps=math.ceil(new_epochs * steps))
+        self.plan = Plan(**{**asdict(self.plan), "epochs": new_epochs, "last_size": size_at(new_epochs - 1, new_epochs),
+                            "predicted_s": ends})
+        trainer.fit_loop.max_epochs = new_epochs
+        rank_zero_info(f"budget {clock(self.budget_s)}: {clock(now)} after epoch {done}, the epochs take {pace:.2f} "
+                       f"× their measured time: {epochs} → {new_epochs} epochs (ends at about {clock(ends)})")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.plan is not None:
@@ -206,6 +287,12 @@ class TimeBudget(L.Callback):
                 rank_zero_info(f"Resuming keeps the run's plan for its budget of {clock(plan.budget_s)}, not "
                                f"{clock(self.budget_s)}: a schedule cannot change its length halfway.")
             self._apply(plan)
+
+
+def _stretchable(trainer: L.Trainer) -> bool:
+    """Whether the run's schedule can follow a re-plan: flowers' warm-up and cosine, stepped every step, or none."""
+    return all(isinstance(config.scheduler, WarmupCosineLR) and config.interval == "step"
+               for config in trainer.lr_scheduler_configs)
 
 
 def measure(trainer: L.Trainer, pl_module: L.LightningModule, data) -> Costs:

@@ -61,8 +61,8 @@ class FlowersCLI(LightningCLI):
         parser.add_argument(
             "--budget", type=str | None, default=None,
             help="fit only: the time the whole run may take, as [[[D:]H:]M:]S (0:05:00). The run measures its speed "
-                 "at its start and sets --trainer.max_epochs so that its whole schedule ends within the budget; a "
-                 "resumed run keeps its plan.",
+                 "at its start and sets --trainer.max_epochs so that its whole schedule ends at the budget, then "
+                 "re-plans at each epoch's end; a resumed run keeps its plan. null: the epochs of the config.",
         )
         parser.add_argument(
             "--ddp_timeout", type=float, default=DDP_TIMEOUT_S,

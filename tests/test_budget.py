@@ -1,4 +1,5 @@
-"""``--budget``: the plan's arithmetic on given costs, and real tiny runs whose whole schedule fits the time."""
+"""``--budget``: the plan's arithmetic on given costs, and real tiny runs whose whole schedule fits the time, on a
+clock the tests drive."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from flowers import budget
 from flowers.cli import main
 from flowers.data.resizing import size_at_epoch
 from flowers.errors import ConfigError
+from flowers.schedules import WarmupCosineLR
+from flowers.stretch import checked, position, stretched
 from tests.helpers.processes import DDP_RUN, probes, run_flowers
 from tests.helpers.runs import TINY_RUN, fit_in, last_checkpoint
 
@@ -36,12 +39,13 @@ def test_anything_else_is_refused_in_one_line(text):
         budget.parse_budget(text)
 
 
-def test_the_plan_is_the_most_epochs_whose_whole_run_ends_within_the_budget():
+def test_the_plan_is_the_epochs_whose_whole_run_ends_nearest_the_budget():
     # 10 s spent, 1 s to end, and 4 steps of 1 s + last.ckpt 0.5 s + validation 2 s + best.ckpt 0.5 s an epoch.
     plan = budget.plan_epochs(CONSTANT, 60.0, same_side)
     assert (plan.epochs, plan.predicted_s) == (7, 60.0)  # 11 + 7 x 7 = 60; an eighth epoch would end at 67
     assert plan.describe() == "budget 0:01:00 → 7 epochs of 4 steps at 128 px (ends at about 0:01:00)"
-    assert budget.plan_epochs(CONSTANT, 66.9, same_side).epochs == 7
+    assert budget.plan_epochs(CONSTANT, 63.4, same_side).epochs == 7  # 3.4 s before; 8 would end 3.6 s past
+    assert budget.plan_epochs(CONSTANT, 63.6, same_side).epochs == 8  # 3.6 s before; 8 end 3.4 s past
 
 
 def test_epochs_that_do_not_validate_cost_no_validation():
@@ -66,6 +70,42 @@ def test_a_budget_too_short_for_one_epoch_says_how_much_one_needs():
         budget.plan_epochs(CONSTANT, 15.0, same_side)
 
 
+def test_a_replan_keeps_the_most_epochs_whose_rest_ends_within_the_budget_at_the_pace_seen():
+    # 10 s spent, 2 epochs done, 7 s an epoch as measured: 7 epochs end at 10 + 1 + 5 × 7 = 46 s, 2 s before 48;
+    # 8 would end 5 s past it.
+    assert budget.replan_epochs(CONSTANT, 48.0, now=10.0, done=2, pace=1.0, size_at=same_side) == (7, 46.0)
+    # 1.5 × slower: 5 epochs end at 10 + 1 + 3 × 10.5 = 42.5 s, 5.5 s before; 6 end at 53 s, nearer past it.
+    assert budget.replan_epochs(CONSTANT, 48.0, now=10.0, done=2, pace=1.5, size_at=same_side) == (6, 53.0)
+    # Past the budget already: one more epoch, so that the schedule still ends.
+    assert budget.replan_epochs(CONSTANT, 50.0, now=60.0, done=2, pace=1.0, size_at=same_side)[0] == 3
+    assert budget.replan_epochs(CONSTANT, 500.0, now=10.0, done=2, pace=1.0, size_at=same_side, most=8)[0] == 8
+
+
+def test_a_stretched_schedule_carries_on_from_where_it_is_and_ends_at_the_new_end():
+    assert position(7, []) == 7
+    knots = stretched([], at=4, end=10, new_end=16)  # 6 epochs left become 12
+    assert [position(x, knots) for x in (0, 4, 10, 16)] == [0, 4, 7, 10]
+    again = stretched(knots, at=10, end=16, new_end=13)  # then 6 left become 3: the schedule's last 3 epochs
+    assert [position(x, again) for x in (4, 10, 11.5, 13)] == [4, 7, 8.5, 10]
+    scheduler = WarmupCosineLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), total_steps=100)
+    before = [scheduler.factor(step) for step in range(41)]
+    scheduler.stretch(at_step=40, run_steps=100, new_run_steps=70)
+    assert [scheduler.factor(step) for step in range(41)] == before and scheduler.factor(70) == 0.0
+    # Halfway through the 30 steps left is where the unstretched schedule is at step 70, halfway through its 60.
+    assert scheduler.factor(55) == pytest.approx(before_stretch(70))
+
+
+def before_stretch(step: int) -> float:
+    return WarmupCosineLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), total_steps=100).factor(step)
+
+
+@pytest.mark.parametrize("knots", [[[1, 2, 3]], [[0, "1"]], [[0, float("nan")]], [[2, 0], [1, 1]], "knots",
+                                   [[True, 1]]])
+def test_a_checkpoints_stretch_is_data_checked_before_it_is_used(knots):
+    with pytest.raises(ValueError, match="knots must be pairs|must increase"):
+        checked(knots)
+
+
 class EpochSides(L.Callback):
     """The side of each epoch's training images, as the model gets them."""
 
@@ -85,10 +125,24 @@ class StopAfter(L.Callback):
         trainer.should_stop = trainer.current_epoch + 1 >= self.epochs
 
 
+class FakeClock(L.Callback):
+    """``budget``'s clock: each training step moves it on by ``seconds_per_step`` (its epoch's share of the
+    validation and checkpoints included), so a run is as fast or as slow as a test says, on any machine."""
+
+    now = 0.0
+
+    def __init__(self, seconds_per_step: float) -> None:
+        self.seconds_per_step = seconds_per_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        FakeClock.now = trainer.global_step * self.seconds_per_step
+
+
 @pytest.fixture
 def test_clock(monkeypatch):
     """A run that has just started when it plans (the test process itself has run for a while)."""
-    monkeypatch.setattr(budget, "seconds_since_start", lambda: 0.0)
+    FakeClock.now = 0.0
+    monkeypatch.setattr(budget, "seconds_since_start", lambda: FakeClock.now)
 
 
 BUDGET_RUN = [*TINY_RUN, "--trainer.limit_train_batches=4", "--data.start_image_size=64", "--data.image_size=80",
@@ -102,7 +156,8 @@ def the(kind, trainer):
 
 
 def test_a_budget_sizes_the_whole_schedule_to_the_time_and_leaves_the_run_as_epochs_would(
-        in_tmp, tiny_synthetic, test_clock, caplog):
+        in_tmp, tiny_synthetic, test_clock, monkeypatch, caplog):
+    monkeypatch.setattr(budget.TimeBudget, "_replan", lambda *args: None)  # the plan as measured; re-plans: below
     data = f"--data.data_dir={tiny_synthetic}"
     for name in ("budget", "epochs"):
         (in_tmp / name).mkdir()
@@ -123,17 +178,19 @@ def test_a_budget_sizes_the_whole_schedule_to_the_time_and_leaves_the_run_as_epo
 
 
 @pytest.fixture
-def five_epochs(monkeypatch):
-    """Costs as if measured: 1 + 3 s an epoch, so a 16 s budget plans five epochs on any machine."""
+def five_epochs(monkeypatch, test_clock):
+    """Costs as if measured: 1 + 3 s an epoch, so a 16 s budget plans five epochs on any machine; the clock then
+    moves on 0.75 s a step, 3 s an epoch, as measured."""
     costs = budget.Costs(elapsed=0.0, step={64: 0.5, 80: 0.5}, batches_per_epoch=4, validation=0.5, checkpoint=0.25)
     monkeypatch.setattr(budget, "measure", lambda *args: costs)
-    return "--budget=0:00:16"
+    return ["--budget=0:00:16", "--trainer.callbacks+=tests.test_budget.FakeClock",
+            "--trainer.callbacks.init_args.seconds_per_step=0.75"]
 
 
 def test_the_run_reaches_its_last_side_and_a_resumed_run_continues_its_plan(in_tmp, tiny_synthetic, five_epochs,
                                                                              monkeypatch, caplog):
     data = f"--data.data_dir={tiny_synthetic}"
-    first = fit_in(in_tmp, *BUDGET_RUN, data, five_epochs, "--trainer.callbacks+=tests.test_budget.StopAfter",
+    first = fit_in(in_tmp, *BUDGET_RUN, data, *five_epochs, "--trainer.callbacks+=tests.test_budget.StopAfter",
                    "--trainer.callbacks.init_args.epochs=2")
     plan = the(budget.TimeBudget, first.trainer).plan
     assert "budget 0:00:16 → 5 epochs of 4 steps at 64→80 px (ends at about 0:00:16)" in caplog.text
@@ -147,6 +204,48 @@ def test_the_run_reaches_its_last_side_and_a_resumed_run_continues_its_plan(in_t
     assert the(budget.TimeBudget, resumed.trainer).plan == plan
     assert resumed.trainer.current_epoch == 5 and the(EpochSides, resumed.trainer).sides == [64, 80, 80]
     assert resumed.trainer.lr_scheduler_configs[0].scheduler.total_steps == resumed.trainer.global_step == 20
+
+
+def test_a_run_slower_than_measured_replans_and_still_ends_its_schedule_also_when_resumed(
+        in_tmp, tiny_synthetic, five_epochs, monkeypatch, caplog):
+    data = f"--data.data_dir={tiny_synthetic}"
+    slow = [*five_epochs[:-1], "--trainer.callbacks.init_args.seconds_per_step=1.125"]  # 1.5 × the measured time
+    first = fit_in(in_tmp, *BUDGET_RUN, data, *slow, "--trainer.callbacks+=tests.test_budget.StopAfter",
+                   "--trainer.callbacks.init_args.epochs=2")
+    # After epoch 1, 4.5 s have passed: two more epochs of 4.5 s end at 4.5 + 1 + 9 = 14.5 s, three would pass 16.
+    assert "0:00:04 after epoch 1, the epochs take 1.50 × their measured time: 5 → 3 epochs" in caplog.text
+    plan = the(budget.TimeBudget, first.trainer).plan
+    assert (plan.epochs, plan.last_size) == (3, 80) and first.trainer.current_epoch == 2
+
+    monkeypatch.setattr(budget, "measure", lambda *args: pytest.fail("a resumed run measured its speed again"))
+    resumed = fit_in(in_tmp, *BUDGET_RUN, data, "--ckpt_path=last")
+    trainer = resumed.trainer
+    assert the(budget.TimeBudget, trainer).plan == plan
+    assert trainer.current_epoch == 3 and the(EpochSides, trainer).sides == [80]  # the last side reached
+    # The cosine, squeezed into 12 steps, ended on its final value after the last one.
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == trainer.global_step == 12 and position(12, scheduler.knots) == 20
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0
+    assert trainer.datamodule.resize_knots == [[1.0, 1.0], [3.0, 5.0]]
+
+
+@pytest.mark.parametrize("part", ["scheduler", "datamodule"])
+def test_a_checkpoint_with_a_hostile_stretch_is_refused_in_one_line(in_tmp, tiny_synthetic, five_epochs, capsys,
+                                                                    part):
+    data = f"--data.data_dir={tiny_synthetic}"
+    slow = [*five_epochs[:-1], "--trainer.callbacks.init_args.seconds_per_step=1.125"]
+    first = fit_in(in_tmp, *BUDGET_RUN, data, *slow, "--trainer.callbacks+=tests.test_budget.StopAfter",
+                   "--trainer.callbacks.init_args.epochs=2")
+    path = last_checkpoint(in_tmp / first.trainer.log_dir)
+    checkpoint = torch.load(path, weights_only=True)
+    state = checkpoint["lr_schedulers"][0] if part == "scheduler" else checkpoint[type(first.datamodule).__qualname__]
+    state["knots" if part == "scheduler" else "resize_knots"] = [[3.0, 1.0], [1.0, "rm -rf"]]
+    torch.save(checkpoint, path)
+    capsys.readouterr()
+    assert main(["fit", *BUDGET_RUN, data, "--ckpt_path=last"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("flowers: error: The checkpoint's") and "not one flowers wrote" in error
+    assert error.count("\n") == 1
 
 
 @pytest.mark.parametrize(("flags", "said"), [
@@ -175,8 +274,10 @@ def test_every_ddp_process_runs_rank_zeros_plan(tmp_path, tiny_synthetic):
                           f"--data.data_dir={tiny_synthetic}", "--budget=0:00:45",
                           "--trainer.callbacks+=tests.helpers.callbacks.Probe",
                           f"--trainer.callbacks.init_args.out_dir={tmp_path / 'probe'}"], tmp_path, timeout=300)
-    planned = next(line for line in output.splitlines() if line.startswith("budget 0:00:45 → "))
-    epochs = int(planned.split("→ ")[1].split()[0])
+    # The plan, then any re-plans: "budget 0:00:45: … after epoch 3, …: 60 → 57 epochs (ends at about …)".
+    plans = [line for line in output.splitlines() if line.startswith("budget 0:00:45") and "→" in line]
+    assert plans[0].startswith("budget 0:00:45 → ")
+    epochs = int(plans[-1].rsplit("→ ", 1)[1].split()[0])
     ranks = probes(tmp_path / "probe", "fit")
     assert sorted(ranks) == [0, 1]
     assert [len(ranks[rank]["sampler_epochs"]) for rank in (0, 1)] == [epochs, epochs]

@@ -128,7 +128,8 @@ def test_lr_scaling_multiplies_the_learning_rate_by_the_process_count(tmp_path, 
 def test_the_speedrun_recipe_under_ddp_scales_its_learning_rate_as_documented(tmp_path, tiny_synthetic):
     # docs/gpu.md: the global batch is devices x batch_size, and speedrun.yaml's AdamW rate grows with its root.
     run_flowers(["fit", "--config", str(ROOT / "configs" / "speedrun.yaml"), *DDP_RUN, "--trainer.devices=2",
-             "--trainer.max_epochs=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+             "--budget=null", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2",
+             "--trainer.limit_val_batches=1",
              "--data.start_image_size=64", "--data.image_size=80", "--data.eval_image_size=96",
              f"--data.data_dir={tiny_synthetic}"], tmp_path)
     run = tmp_path / "runs" / "flowers" / "version_0"

@@ -13,7 +13,8 @@ from flowers.cli import cli_main
 from tests.helpers.runs import TINY_RUN
 
 # The recipe as written, on tiny images: progressive resizing from 64 to 80 px, evaluated at 96.
-SMALL = [*TINY_RUN, "--trainer.max_epochs=4", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2",
+SMALL = [*TINY_RUN, "--budget=null", "--trainer.max_epochs=4", "--trainer.limit_train_batches=3",
+         "--trainer.limit_val_batches=2",
          "--data.start_image_size=64", "--data.image_size=80", "--data.eval_image_size=96",
          "--trainer.deterministic=true"]
 

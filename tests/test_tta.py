@@ -68,6 +68,36 @@ def test_the_warm_up_validates_its_one_epoch_whatever_the_fit_args_say(tta, tmp_
     assert timed == ["--trainer.check_val_every_n_epoch=5"]
 
 
+def test_budgets_are_multiples_of_the_loops_first_time_on_the_same_machine(tta, tmp_path, monkeypatch, capsys):
+    for split in ("train", "val"):
+        (tmp_path / split / "a").mkdir(parents=True)
+    ran = []
+
+    def fake_loop(data_dir, seed, extra):
+        ran.append(("loop", seed))
+        return {"epochs": [{"epoch": 1, "val_acc": 0.7, "time_s": 190.0}], "total_s": 200.0 + seed}
+
+    def fake_fit(recipe, data_dir, seed, runs_dir, extra):
+        budget = next((flag for flag in extra if flag.startswith("--budget=") and flag != "--budget=null"), None)
+        ran.append((budget, seed))
+        return {"epochs": [{"epoch": 1, "val_acc": 0.8, "time_s": 100.0}], "total_s": 126.0}
+
+    monkeypatch.setattr(tta, "loop_process", fake_loop)
+    monkeypatch.setattr(tta, "fit_process", fake_fit)
+    assert tta.main(["--tta", "--data-dir", str(tmp_path), "--recipe", "configs/speedrun.yaml", "--repeats", "2",
+                     "--budgets", "0.65,2"]) == 0
+    timed = ran[2:]  # after the two warm-ups, which run in epochs
+    assert ran[:2] == [(None, 0), (None, 0)]
+    # The loop runs first, and its first time sets the budgets; seed 1 runs all in the other order.
+    assert timed == [("loop", 0), ("--budget=0:02:10", 0), ("--budget=0:06:40", 0),
+                     ("--budget=0:06:40", 1), ("--budget=0:02:10", 1), ("loop", 1)]
+    printed = capsys.readouterr().out
+    assert "configs/speedrun.yaml at 0.65 × the loop" in printed and "0.969 (0.969–0.969)" in printed  # 126 / 130
+    assert "budgets: multiples of the tutorial loop's time, 200 s (its first run here)" in printed
+    with pytest.raises(SystemExit):
+        tta.parse_args(["--tta", "--data-dir", str(tmp_path), "--budgets", "2", "--no-loop"])
+
+
 @pytest.mark.slow
 def test_an_ablation_is_the_first_recipe_with_settings_changed(tta, tiny_synthetic, tmp_path, capsys):
     out = tmp_path / "tta.json"

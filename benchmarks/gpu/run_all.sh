@@ -47,7 +47,7 @@ if [ "$SMOKE" = 1 ]; then
     ANATOMY=(--anatomy 2 "${SMALL[@]}" --warmup-batches 1)
     CEILING=(--repeats 1 --epochs 1 "${SMALL[@]}")
     TTA+=(--repeats 1 --no-loop --targets 0.3  # the loop is tests/test_tta.py's
-          "--fit-args=--data.image_size=64 --data.batch_size=4 --data.num_workers=0 --data.start_image_size=null --data.eval_image_size=64 --trainer.max_epochs=1 --trainer.limit_train_batches=2 --trainer.accelerator=cpu")
+          "--fit-args=--budget=null --data.image_size=64 --data.batch_size=4 --data.num_workers=0 --data.start_image_size=null --data.eval_image_size=64 --trainer.max_epochs=1 --trainer.limit_train_batches=2 --trainer.accelerator=cpu")
     export FLOWERS_GPU_SMOKE=1
     # Safety nets, several times what each step takes on 2 cores: a shared CI runner can be much slower.
     declare -A LIMIT=([env]=30 [checks]=240 [throughput]=120 [accuracy]=120 [anatomy]=90 [ceiling]=90 [tta]=120)
@@ -60,7 +60,7 @@ else
     ANATOMY=(--anatomy 50 --warmup-batches 10)
     CEILING=(--repeats 1 --epochs 2)
     TTA+=(--repeats "${TTA_SEEDS:-3}" --targets 0.70,0.80,0.85
-          "--fit-args=--trainer.accelerator=gpu --trainer.devices=1")
+          "--fit-args=--budget=null --trainer.accelerator=gpu --trainer.devices=1")  # its 20 epochs, as measured
     declare -A LIMIT=([env]=10 [checks]=160 [throughput]=120 [accuracy]=190 [anatomy]=50 [ceiling]=40 [tta]=290)
 fi
 export FLOWERS_DATA_DIR=$DATA

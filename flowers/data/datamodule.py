@@ -43,6 +43,7 @@ from flowers.data.sampling import EpochSampler, ResumableLoader
 from flowers.data.transforms import TUTORIAL_MEAN, TUTORIAL_STD, AutoAugment, eval_transform
 from flowers.errors import ConfigError, DataError
 from flowers.files import special_kind
+from flowers.stretch import checked, position, stretched
 
 
 class FlowerDataModule(L.LightningDataModule):
@@ -184,6 +185,7 @@ class FlowerDataModule(L.LightningDataModule):
                               f"a probability; got {mixup_alpha}, {cutmix_alpha} and {random_erasing}.")
         self.start_image_size = start_image_size
         self.resize_ramp = tuple(resize_ramp)
+        self.resize_knots: list[list[float]] = []  # flowers.stretch: set by a time budget's re-plan
         self.auto_augment = auto_augment
         self.mixup_alpha, self.cutmix_alpha, self.random_erasing = mixup_alpha, cutmix_alpha, random_erasing
         self.batch_size = batch_size
@@ -341,8 +343,23 @@ class FlowerDataModule(L.LightningDataModule):
             if self.trainer is None:
                 return self.image_size
             epoch, max_epochs = self.trainer.current_epoch, self.trainer.max_epochs or 0
+            epoch, max_epochs = position(epoch, self.resize_knots), position(max_epochs, self.resize_knots)
         return size_at_epoch(epoch, max_epochs, start_size=self.start_image_size, final_size=self.image_size,
                              ramp=self.resize_ramp)
+
+    def stretch_resizing(self, *, at_epoch: int, epochs: int, new_epochs: int) -> None:
+        """From ``at_epoch`` on, end the resizing schedule at ``new_epochs`` instead of ``epochs``."""
+        self.resize_knots = stretched(self.resize_knots, at=at_epoch, end=epochs, new_end=new_epochs)
+
+    def state_dict(self) -> dict:
+        return {"resize_knots": self.resize_knots} if self.resize_knots else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        try:
+            self.resize_knots = checked(state_dict.get("resize_knots", []) if isinstance(state_dict, dict) else None)
+        except ValueError as error:
+            raise ConfigError(f"The checkpoint's resizing schedule is not one flowers wrote ({error}): resume from "
+                              "another checkpoint, or start a new run.") from None
 
     def train_image_sizes(self) -> list[int]:
         """Every side ``train_image_size`` can give, whatever the number of epochs."""
