@@ -26,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from flowers.alexnet import AlexNet
-from flowers.budget import clock, parse_budget
+from flowers.budget import clock
 from flowers.cli import cli_main
 from flowers.data.folders import find_classes, is_split_layout, list_images, stratified_split
 from flowers.module import TUTORIAL_LR
@@ -350,12 +350,13 @@ def tta(args: argparse.Namespace) -> dict:
                 order.insert(0, order.pop(order.index(LOOP)))
             for n, name in enumerate(order):
                 recipe, changes, multiple = names.get(name, ([], [], None))
-                budget = [f"--budget={clock(multiple * loop_s)}"] if multiple is not None else []
+                budget_s = round(multiple * loop_s) if multiple is not None else None  # whole seconds, as --budget
+                budget = [f"--budget={clock(budget_s)}"] if budget_s is not None else []
                 run = (loop_process(data_dir, seed, shlex.split(args.loop_args)) if name == LOOP else
                        fit_process(recipe, data_dir, seed, Path(args.keep_runs or tmp) / f"runs-{seed}-{n}",
                                    [*fit_extra, *changes, *budget]))
-                if budget:
-                    run["budget_s"] = parse_budget(budget[0].split("=", 1)[1])
+                if budget_s is not None:
+                    run["budget_s"] = budget_s
                 if name == LOOP and loop_s is None:
                     loop_s = run["total_s"]
                 recipes[name].append({"seed": seed, **run})
@@ -527,6 +528,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.recipes = [r.split() for r in args.recipe] or [["configs/tutorial.yaml", "configs/fast.yaml"]]
     args.targets = [float(t) for t in args.targets.split(",") if t.strip()]
     args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    if args.keep_runs is not None and args.keep_runs.exists() and any(args.keep_runs.iterdir()):
+        p.error(f"--keep-runs {str(args.keep_runs)!r} is not empty: each run's results are read from its own folder.")
     if args.budgets and args.no_loop and args.loop_seconds is None:
         p.error("--budgets are multiples of the tutorial loop's time: leave out --no-loop or give --loop-seconds.")
     if min(args.repeats, args.epochs, args.parallel) < 1:

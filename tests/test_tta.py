@@ -96,6 +96,8 @@ def test_budgets_are_multiples_of_the_loops_first_time_on_the_same_machine(tta, 
     assert "budgets: multiples of the tutorial loop's time, 200 s (its first run here)" in printed
     with pytest.raises(SystemExit):
         tta.parse_args(["--tta", "--data-dir", str(tmp_path), "--budgets", "2", "--no-loop"])
+    with pytest.raises(SystemExit):  # a folder with earlier runs would be read in their place
+        tta.parse_args(["--tta", "--data-dir", str(tmp_path), "--keep-runs", str(tmp_path)])
 
 
 @pytest.mark.slow
