@@ -1,6 +1,6 @@
-"""configs/extras/*.yaml, each in a tiny real run: Lightning's EMA (resume included), early stopping, the CSV next to
-TensorBoard, the profiler, MLflow and W&B offline; and the per-class scores and class-balanced prediction grid every
-run logs. Nothing here reaches the network."""
+"""configs/extras/*.yaml, each in a tiny real run: Lightning's EMA (resume included), SWA over the run's
+tail, early stopping, the CSV next to TensorBoard, the profiler, MLflow and W&B offline; and the per-class scores
+and class-balanced prediction grid every run logs. Nothing here reaches the network."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torchmetrics.functional.classification import multiclass_precision, multicl
 
 from flowers import callbacks
 from flowers.cli import cli_main
+from flowers.errors import ConfigError
 from tests.helpers.runs import TINY_RUN
 
 EXTRAS = Path(__file__).resolve().parents[1] / "configs" / "extras"
@@ -88,6 +89,47 @@ def test_ema_averages_and_a_resumed_run_goes_on_with_the_same_average(in_tmp, ti
         assert torch.equal(WeightsSeen.seen["trained"][key], current[key]), key
     after = torch.load(last, map_location="cpu", weights_only=True)
     assert int(after["averaging_state"]["n_averaged"]) == 2  # the same average, updated once more (step 6)
+
+
+class TailWeights(L.Callback):
+    """The weights after each optimizer step, and which weights each validation scored."""
+
+    steps: list = []
+    validated: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        TailWeights.steps.append({k: v.clone() for k, v in pl_module.state_dict().items() if k.startswith("net.")})
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        TailWeights.validated.append(pl_module.state_dict()["net.classifier.6.weight"].clone())
+
+
+def test_swa_averages_the_last_part_of_the_run_and_validates_the_average_only_once_begun(in_tmp, tiny_synthetic):
+    TailWeights.steps, TailWeights.validated = [], []
+    # 2 epochs of 4 steps: the average starts at step 4 (half of 8), and takes steps 4 and 6 (every 2nd).
+    run = fit(tiny_synthetic, extra("swa"), "--trainer.callbacks.start=0.5", "--trainer.callbacks.every_n_steps=2",
+              "--trainer.max_epochs=2", "--trainer.num_sanity_val_steps=0", f"--trainer.callbacks+={__name__}.TailWeights")
+    assert len(TailWeights.steps) == 8
+    last = torch.load(in_tmp / run.trainer.log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert int(last["averaging_state"]["n_averaged"]) == 2
+    for key, value in state(last, "state_dict").items():  # steps 4 and 6 are the 5th and 7th batches' weights
+        assert torch.allclose(value, (TailWeights.steps[4][key] + TailWeights.steps[6][key]) / 2), key
+    assert torch.equal(state(last, "current_model_state")["net.classifier.6.weight"],
+                       TailWeights.steps[7]["net.classifier.6.weight"])
+    # Epoch 1 validated its own weights (no average yet); epoch 2 the average.
+    assert torch.equal(TailWeights.validated[0], TailWeights.steps[3]["net.classifier.6.weight"])
+    assert torch.equal(TailWeights.validated[1], state(last, "state_dict")["net.classifier.6.weight"])
+
+    # Resumed for a third epoch: the saved average of steps 4 and 6 goes on with steps 8 and 10.
+    fit(tiny_synthetic, extra("swa"), "--trainer.callbacks.start=0.5", "--trainer.callbacks.every_n_steps=2",
+        "--trainer.max_epochs=3", "--trainer.num_sanity_val_steps=0", "--ckpt_path=last")
+    after = torch.load(in_tmp / run.trainer.log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert int(after["averaging_state"]["n_averaged"]) == 4
+
+
+def test_swa_beside_another_averaging_is_refused_with_a_clear_error(in_tmp, tiny_synthetic):
+    with pytest.raises(ConfigError, match="use one"):
+        fit(tiny_synthetic, extra("ema"), extra("swa"))
 
 
 @pytest.fixture(scope="module")

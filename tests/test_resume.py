@@ -224,6 +224,34 @@ def test_the_epoch_sampler_shares_one_order_among_the_ranks_and_resumes_inside_i
     assert ranks[1].state_dict(batches_done=6, batches_per_epoch=6) == {"seed": 5, "epoch": 4, "batches": 0}
 
 
+def test_class_balanced_epochs_draw_each_class_alike_in_one_resumable_order(tiny_synthetic):
+    labels = [0] * 90 + [1] * 10  # one class nine times as common as the other
+    weights = [1 / labels.count(label) for label in labels]
+    ranks = [EpochSampler(labels, batch_size=5, num_replicas=2, rank=r, seed=5, weights=weights) for r in range(2)]
+    drawn = []
+    for epoch in range(20):
+        for sampler in ranks:
+            sampler.set_epoch(epoch)
+        shards = [list(sampler) for sampler in ranks]
+        assert [len(shard) for shard in shards] == [50, 50]  # still an epoch of len(dataset) positions
+        drawn += [labels[i] for shard in shards for i, _ in shard]
+    assert 0.4 < drawn.count(1) / len(drawn) < 0.6  # not 0.1
+    state = ranks[0].state_dict(batches_done=4, batches_per_epoch=10)
+    resumed = EpochSampler(labels, batch_size=5, num_replicas=2, rank=0, seed=0, weights=weights)
+    resumed.load_state_dict(state)
+    assert list(resumed) == shards[0][20:]
+
+    module = FlowerDataModule(str(tiny_synthetic), image_size=64, class_balanced=True)
+    module.setup("fit")
+    weights = module._balancing_weights()
+    per_class = {}
+    for label, weight in zip(module.train_set.labels, weights, strict=True):
+        per_class[label] = per_class.get(label, 0) + weight
+    assert sorted(per_class) == list(range(module.num_classes))
+    assert all(abs(total - 1) < 1e-9 for total in per_class.values())  # every class weighs the same in all
+    assert module.train_dataloader().sampler.weights is not None
+
+
 def test_an_items_augmentation_comes_from_its_own_seed_and_leaves_the_global_generator_alone(tiny_synthetic):
     from flowers.data.datasets import LabelledImages
     from flowers.data.folders import list_images

@@ -76,6 +76,8 @@ class FlowerDataModule(L.LightningDataModule):
             other (cutmix), with the labels mixed alike; ``λ ~ Beta(α, α)``, 0 = off, half the batches
             each when both are on (flowers.data.batch_ops).
         random_erasing: the probability that a training image has a random rectangle blanked to its mean.
+        class_balanced: draw each epoch's training images with replacement, each class equally often on
+            average, instead of each image once.
         batch_size: per process: under ddp the global batch is ``batch_size × world size``.
         eval_batch_size: batch for val/test/predict; defaults to ``batch_size``.
         num_workers: loader processes per training process; default the tutorial's
@@ -126,6 +128,7 @@ class FlowerDataModule(L.LightningDataModule):
         mixup_alpha: float = 0.0,
         cutmix_alpha: float = 0.0,
         random_erasing: float = 0.0,
+        class_balanced: bool = False,
         batch_size: int = 32,
         eval_batch_size: int | None = None,
         num_workers: int | None = None,
@@ -188,6 +191,7 @@ class FlowerDataModule(L.LightningDataModule):
         self.resize_knots: list[list[float]] = []  # flowers.stretch: set by a time budget's re-plan
         self.auto_augment = auto_augment
         self.mixup_alpha, self.cutmix_alpha, self.random_erasing = mixup_alpha, cutmix_alpha, random_erasing
+        self.class_balanced = class_balanced
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self._num_workers = num_workers
@@ -435,13 +439,20 @@ class FlowerDataModule(L.LightningDataModule):
             )
         # Our own DistributedSampler, also on one process: a resumable order (flowers.data.sampling), which
         # Lightning keeps as it is under ddp.
-        sampler = EpochSampler(self.train_set, batch_size=self.batch_size, num_replicas=world_size, rank=rank)
+        sampler = EpochSampler(self.train_set, batch_size=self.batch_size, num_replicas=world_size, rank=rank,
+                               weights=self._balancing_weights() if self.class_balanced else None)
         loader = self._loader(self.train_set, batch_size=self.batch_size, shuffle=False, sampler=sampler,
                               collate_fn=self.pipeline.train_collate(), drop_last=self.drop_last,
                               loader_class=ResumableLoader)
         if trainer is not None:
             loader.progress = lambda: lightning_internals.epoch_progress(trainer)
         return loader
+
+    def _balancing_weights(self) -> list[float]:
+        """Each training image's weight: one over its class's count, so every class is drawn alike."""
+        labels = self.train_set.labels
+        counts = torch.bincount(torch.as_tensor(labels), minlength=self.num_classes).tolist()
+        return [1 / counts[label] for label in labels]
 
     def _eval_sampler(self, dataset):
         # Lightning's default DistributedSampler pads the last shard with repeated images, which skews

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -48,19 +48,25 @@ def item_rng(seed: int) -> Iterator[None]:
 
 class EpochSampler(DistributedSampler):
     """Yields ``(index, seed)`` for this rank's positions of the epoch, from ``skip_batches`` batches in on
-    the first pass after a mid-epoch resume. Args as DistributedSampler's, plus the loader's ``batch_size``."""
+    the first pass after a mid-epoch resume. Args as DistributedSampler's, plus the loader's ``batch_size``
+    and ``weights``: each item's chance of being drawn, with replacement, at each position of an epoch
+    (torch's WeightedRandomSampler, made resumable and shared by the ranks); unset, a permutation."""
 
     def __init__(self, dataset: Dataset, *, batch_size: int, num_replicas: int = 1, rank: int = 0,
-                 seed: int | None = None, shuffle: bool = True) -> None:
+                 seed: int | None = None, shuffle: bool = True, weights: Sequence[float] | None = None) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                          seed=run_seed() if seed is None else seed)
         self.batch_size = batch_size
+        self.weights = None if weights is None else torch.as_tensor(weights, dtype=torch.double)
         self.skip_batches = 0  # set by load_state_dict: batches of this epoch already trained
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         generator = epoch_generator(self.seed, self.epoch)
         n = len(self.dataset)
-        order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
+        if self.weights is not None:
+            order = torch.multinomial(self.weights, n, replacement=True, generator=generator)
+        else:
+            order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
         seeds = torch.randint(0, SEED_RANGE, (self.total_size,), generator=generator)
         if self.total_size > n:  # padded with the order's start, so every rank has as many batches
             order = order.repeat(-(-self.total_size // n))[: self.total_size]
