@@ -107,10 +107,12 @@ class TailWeights(L.Callback):
 def test_swa_averages_the_last_part_of_the_run_and_validates_the_average_only_once_begun(in_tmp, tiny_synthetic):
     TailWeights.steps, TailWeights.validated = [], []
     # 2 epochs of 4 steps: the average starts at step 4 (half of 8), and takes steps 4 and 6 (every 2nd).
-    run = fit(tiny_synthetic, extra("swa"), "--trainer.callbacks.start=0.5", "--trainer.callbacks.every_n_steps=2",
-              "--trainer.max_epochs=2", "--trainer.num_sanity_val_steps=0", f"--trainer.callbacks+={__name__}.TailWeights")
+    tail = ["--trainer.callbacks.start=0.5", "--trainer.callbacks.every_n_steps=2", "--trainer.num_sanity_val_steps=0"]
+    run = fit(tiny_synthetic, extra("swa"), *tail, "--trainer.max_epochs=2",
+              f"--trainer.callbacks+={__name__}.TailWeights")
     assert len(TailWeights.steps) == 8
-    last = torch.load(in_tmp / run.trainer.log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    last_ckpt = in_tmp / run.trainer.log_dir / "checkpoints" / "last.ckpt"
+    last = torch.load(last_ckpt, map_location="cpu", weights_only=True)
     assert int(last["averaging_state"]["n_averaged"]) == 2
     for key, value in state(last, "state_dict").items():  # steps 4 and 6 are the 5th and 7th batches' weights
         assert torch.allclose(value, (TailWeights.steps[4][key] + TailWeights.steps[6][key]) / 2), key
@@ -121,9 +123,8 @@ def test_swa_averages_the_last_part_of_the_run_and_validates_the_average_only_on
     assert torch.equal(TailWeights.validated[1], state(last, "state_dict")["net.classifier.6.weight"])
 
     # Resumed for a third epoch: the saved average of steps 4 and 6 goes on with steps 8 and 10.
-    fit(tiny_synthetic, extra("swa"), "--trainer.callbacks.start=0.5", "--trainer.callbacks.every_n_steps=2",
-        "--trainer.max_epochs=3", "--trainer.num_sanity_val_steps=0", "--ckpt_path=last")
-    after = torch.load(in_tmp / run.trainer.log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    fit(tiny_synthetic, extra("swa"), *tail, "--trainer.max_epochs=3", "--ckpt_path=last")
+    after = torch.load(last_ckpt, map_location="cpu", weights_only=True)
     assert int(after["averaging_state"]["n_averaged"]) == 4
 
 
