@@ -7,6 +7,7 @@ checkpoints the current weights, not their average, until training ends.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -41,11 +42,14 @@ class TailAveraging(WeightAveraging):
         super().setup(trainer, pl_module, stage)
         self._trainer = trainer
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if math.isinf(trainer.estimated_stepping_batches):
+            raise ConfigError("TailAveraging averages the last part of a run, and this run has no planned length "
+                              "(trainer.max_epochs=-1 and no trainer.max_steps): set one of them, or --budget.")
+
     def first_step(self) -> int:
-        """The step the average starts at, under the run's current plan."""
-        trainer = self._trainer
-        planned = trainer.max_epochs * trainer.num_training_batches // trainer.accumulate_grad_batches
-        return int(self.start * planned)
+        """The step the average starts at, under the run's current plan (max_epochs or max_steps)."""
+        return int(self.start * self._trainer.estimated_stepping_batches)
 
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         return step_idx is not None and step_idx >= self.first_step() and step_idx % self.every_n_steps == 0

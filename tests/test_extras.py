@@ -128,9 +128,11 @@ def test_swa_averages_the_last_part_of_the_run_and_validates_the_average_only_on
     assert int(after["averaging_state"]["n_averaged"]) == 4
 
 
-def test_swa_beside_another_averaging_is_refused_with_a_clear_error(in_tmp, tiny_synthetic):
+def test_swa_beside_another_averaging_or_in_an_endless_run_is_refused_with_a_clear_error(in_tmp, tiny_synthetic):
     with pytest.raises(ConfigError, match="use one"):
         fit(tiny_synthetic, extra("ema"), extra("swa"))
+    with pytest.raises(ConfigError, match="no planned length"):
+        fit(tiny_synthetic, extra("swa"), "--trainer.max_epochs=-1")
 
 
 @pytest.fixture(scope="module")
