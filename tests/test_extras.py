@@ -128,11 +128,18 @@ def test_swa_averages_the_last_part_of_the_run_and_validates_the_average_only_on
     assert int(after["averaging_state"]["n_averaged"]) == 4
 
 
-def test_swa_beside_another_averaging_or_in_an_endless_run_is_refused_with_a_clear_error(in_tmp, tiny_synthetic):
+def test_swa_beside_another_averaging_or_in_an_endless_run_is_refused_with_a_clear_error():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from flowers.averaging import TailAveraging
+
+    tail = TailAveraging()
     with pytest.raises(ConfigError, match="use one"):
-        fit(tiny_synthetic, extra("ema"), extra("swa"))
-    with pytest.raises(ConfigError, match="no planned length"):
-        fit(tiny_synthetic, extra("swa"), "--trainer.max_epochs=-1")
+        tail.setup(SimpleNamespace(callbacks=[EMAWeightAveraging(), tail]), None, "fit")
+    with pytest.raises(ConfigError, match="no planned length"):  # max_epochs=-1 and no max_steps
+        tail.on_train_start(SimpleNamespace(estimated_stepping_batches=float("inf")), None)
 
 
 @pytest.fixture(scope="module")
