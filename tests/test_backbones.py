@@ -211,8 +211,8 @@ def test_dp_fits_another_backbone(in_tmp, tiny_synthetic):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backbone", ["resnet18", "mobilenet_v3_small"])
-def test_ddp_fits_other_backbones_from_a_weights_file_on_every_rank(backbone, tmp_path, tiny_synthetic):
+def test_ddp_fits_another_backbone_from_a_weights_file_on_every_rank(tmp_path, tiny_synthetic):
+    backbone = "mobilenet_v3_small"  # its batch norms and frozen features: what ddp must keep the same on each rank
     pretrained = models.get_model(backbone)
     torch.save(pretrained.state_dict(), tmp_path / "pretrained.pth")
     output = run_flowers(["fit", *FIT, f"--data.data_dir={tiny_synthetic}", f"--model.backbone={backbone}",

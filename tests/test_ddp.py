@@ -26,13 +26,15 @@ from tests.helpers.processes import DDP_RUN, ROOT, finish, free_port, kill, prob
 
 
 @pytest.mark.slow
-def test_ddp_two_cpu_processes_write_once_reshuffle_and_sync(tmp_path, tiny_synthetic):
+def test_ddp_two_cpu_processes_write_once_reshuffle_sync_and_scale_the_rate(tmp_path, tiny_synthetic):
     # A previous run's folder: every rank must still agree on the next version, 1.
     (tmp_path / "runs" / "flowers" / "version_0").mkdir(parents=True)
     probe = tmp_path / "probe"
+    # Adam at 0.001 with a constant rate and linear scaling: the rate each rank stepped with says what it did.
     run_flowers(["fit", *DDP_RUN, "--trainer.devices=2", "--trainer.max_epochs=2", "--trainer.limit_train_batches=2",
              f"--data.data_dir={tiny_synthetic}", "--trainer.callbacks+=tests.helpers.callbacks.Probe",
-             f"--trainer.callbacks.out_dir={probe}"], tmp_path)
+             f"--trainer.callbacks.out_dir={probe}", "--model.lr_scaling=linear", "--model.optimizer=torch.optim.Adam",
+             "--model.optimizer.lr=0.001"], tmp_path)
 
     ranks = probes(probe, "fit")
     assert sorted(ranks) == [0, 1] and {r["world_size"] for r in ranks.values()} == {2}
@@ -46,7 +48,9 @@ def test_ddp_two_cpu_processes_write_once_reshuffle_and_sync(tmp_path, tiny_synt
     assert sum(f.startswith("events.out.tfevents") for f in files) == 1  # rank 0's writer only
     assert "config.yaml" in files
     hparams = yaml.safe_load((run / "hparams.yaml").read_text())
-    assert hparams["world_size"] == 2 and hparams["global_batch_size"] == 8
+    assert hparams["world_size"] == 2 and hparams["global_batch_size"] == 8 and hparams["lr_scale"] == 2.0
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.002)
 
     for record in ranks.values():
         # Lightning's DistributedSampler, and set_epoch every epoch: a new order each epoch.
@@ -109,19 +113,6 @@ def test_a_resumed_ddp_run_with_the_cache_continues_exactly(tmp_path, tiny_synth
     assert list(got) == list(expected)
     for key, tensor in expected.items():
         assert torch.equal(got[key], tensor), key
-
-
-@pytest.mark.slow
-def test_lr_scaling_multiplies_the_learning_rate_by_the_process_count(tmp_path, tiny_synthetic):
-    # Adam at 0.001 with a constant rate: the optimizer each rank stepped with says what the scaling did.
-    run_flowers(["fit", *DDP_RUN, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
-             "--trainer.limit_val_batches=1", f"--data.data_dir={tiny_synthetic}", "--model.lr_scaling=linear",
-             "--model.optimizer=torch.optim.Adam", "--model.optimizer.lr=0.001"], tmp_path)
-    run = tmp_path / "runs" / "flowers" / "version_0"
-    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.002)
-    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
-    assert hparams["lr_scale"] == 2.0 and hparams["global_batch_size"] == 8
 
 
 @pytest.mark.slow
