@@ -40,10 +40,10 @@ train: $(STAMP)  ## train the quickstart (synthetic flowers, CPU, 3 to 5 minutes
 data: $(STAMP)  ## download the real flower photos (~220 MB) into data/flower_photos, once
 	$(BIN)/flowers download
 
-test: $(STAMP)  ## run the default test suite (5 to 7 minutes on 2 cores)
+test: $(STAMP)  ## run the default test suite (5 to 9 minutes on 2 cores)
 	$(BIN)/python -m pytest -n auto --dist loadfile
 
-test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs; 12 to 20 minutes on 2 cores)
+test-slow: $(STAMP)  ## run only the slow tests (real photos, longer runs; 12 to 22 minutes on 2 cores)
 	$(BIN)/python -m pytest -m slow -n auto --dist loadfile
 
 test-all: $(STAMP)  ## run every test
